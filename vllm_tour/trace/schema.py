@@ -1,0 +1,228 @@
+"""The one trace schema: what every probe (upstream) and the reimpl engine write.
+
+Each process appends records to its own JSON Lines file; every record carries
+`kind`, `step` and the process that wrote it. The reader merges files into one
+`Step` per engine step. The reimpl mini engine writes the *same* records, so
+`compare` diffs like with like.
+
+Steps are counted by the process that owns the decision: the scheduler's step
+is the number of `Scheduler.schedule` calls (1-based); workers count
+`execute_model` calls, which upstream makes exactly once per schedule call.
+
+Bump SCHEMA_VERSION on any change that an old reader would misread.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, Field
+
+SCHEMA_VERSION = 1
+
+
+class Proc(BaseModel):
+    """Who wrote a record: role (engine_core, worker, frontend, reimpl), pid, TP rank."""
+
+    role: str
+    pid: int
+    rank: int = 0
+
+
+class _Record(BaseModel):
+    step: int
+    proc: Proc
+
+
+# --- scheduler ---------------------------------------------------------------
+
+
+class ScheduledRequest(BaseModel):
+    req_id: str
+    # new: first time scheduled; resumed: back after preemption (recomputed);
+    # running: continues (a decode, or the next chunk of a chunked prefill).
+    kind: Literal["new", "resumed", "running"]
+    num_scheduled_tokens: int
+    num_computed_tokens: int  # before this step's tokens
+    num_prompt_tokens: int
+    num_output_tokens: int  # before this step
+    is_prefill: bool  # this step's tokens include prompt tokens
+
+
+class Preemption(BaseModel):
+    req_id: str
+    # Why: upstream preempts when allocate_slots() returns None for some request.
+    reason: str
+    while_allocating_for: str | None = None
+    num_tokens_requested: int | None = None
+    free_blocks_at_failure: int | None = None
+    freed_block_ids: list[int] = []
+    num_computed_tokens_lost: int = 0
+
+
+class SchedulerRecord(_Record):
+    kind: Literal["scheduler"] = "scheduler"
+    time: float  # wall clock (time.time()) at the end of schedule()
+    duration_s: float
+    waiting_before: int
+    running_before: int
+    waiting_after: int
+    running_after: int
+    token_budget: int  # max_num_batched_tokens this step
+    tokens_scheduled: int
+    max_num_seqs: int
+    scheduled: list[ScheduledRequest]
+    preempted: list[Preemption]
+    finished: list[str]  # finished since the previous step (freed in this step)
+
+
+# --- KV-cache manager / block pool -------------------------------------------
+
+
+class PrefixHit(BaseModel):
+    req_id: str
+    num_hit_tokens: int
+    block_ids: list[int]
+
+
+class KVRecord(_Record):
+    kind: Literal["kv"] = "kv"
+    num_blocks: int  # usable blocks in the pool (upstream reserves block 0 as the null block)
+    block_size: int
+    free_blocks: int
+    usage: float  # fraction of the pool in use, as upstream reports it
+    block_tables: dict[str, list[int]]  # req_id -> physical block ids, after this step's allocation
+    allocated: dict[str, list[int]]  # req_id -> blocks newly given this step
+    freed: list[int]  # block ids returned to the free list this step
+    evicted: list[int]  # cached blocks whose hash was dropped to reuse them
+    prefix_hits: list[PrefixHit]
+    prefix_caching: bool
+
+
+# --- model runner --------------------------------------------------------------
+
+
+class IntList(BaseModel):
+    """A list recorded in full when small, else summarized (len, head, tail, sha256)."""
+
+    full: list[int] | None = None
+    length: int
+    head: list[int] = []
+    tail: list[int] = []
+    sha256: str | None = None
+
+
+class RunnerRecord(_Record):
+    kind: Literal["runner"] = "runner"
+    num_tokens: int
+    req_ids: list[str]  # batch order as the runner laid it out
+    num_scheduled_tokens: list[int]  # per req_ids entry
+    input_ids: IntList
+    positions: IntList
+    query_start_loc: list[int]
+    seq_lens: list[int]
+    slot_mapping: IntList
+    logits_indices: list[int]
+    sampled_token_ids: dict[str, list[int]]
+
+
+# --- attention backend -----------------------------------------------------------
+
+
+class AttentionLayer(BaseModel):
+    layer: str
+    kv_cache_shape: list[int]
+    kv_cache_dtype: str
+
+
+class AttentionRecord(_Record):
+    kind: Literal["attention"] = "attention"
+    backend: str
+    layout: str | None = None
+    num_reqs: int
+    seq_lens: list[int]
+    query_lens: list[int]
+    block_table: list[list[int]]  # rows the backend received (trailing zeros trimmed)
+    layers: list[AttentionLayer]  # only layers whose shape/dtype differ from the first are listed after it
+
+
+# --- captures and errors -------------------------------------------------------------
+
+
+class CaptureRecord(_Record):
+    kind: Literal["capture"] = "capture"
+    name: str  # e.g. "attn_out.layers.0", "kv_blocks.layers.0"
+    file: str  # safetensors file beside the trace, relative to the run dir
+    tensor: str  # key inside that file
+    shape: list[int]
+    dtype: str
+
+
+class ProbeErrorRecord(_Record):
+    kind: Literal["probe_error"] = "probe_error"
+    probe: str
+    target: str
+    error: str
+    traceback: str
+
+
+Record = Annotated[
+    Union[
+        SchedulerRecord,
+        KVRecord,
+        RunnerRecord,
+        AttentionRecord,
+        CaptureRecord,
+        ProbeErrorRecord,
+    ],
+    Field(discriminator="kind"),
+]
+
+
+# --- run files ------------------------------------------------------------------------
+
+
+class RequestSpec(BaseModel):
+    req_id: str
+    prompt: str | None = None
+    prompt_token_ids: list[int]
+    max_tokens: int
+    temperature: float = 0.0
+    seed: int | None = None
+    arrival_step: int = 0
+
+
+class RunMeta(BaseModel):
+    """meta.json: what was run, where, with what."""
+
+    schema_version: int = SCHEMA_VERSION
+    tool_version: str
+    side: Literal["upstream", "reimpl"]
+    pin: str
+    vllm_version: str | None
+    model: str
+    model_path: str
+    model_digest: str | None = None
+    engine_args: dict
+    requests: list[RequestSpec]
+    env: dict[str, str]  # allow-listed variables only: never secrets
+    platform: dict[str, str]
+    started: float
+    finished: float | None = None
+    status: Literal["running", "ok", "failed"] = "running"
+    error: str | None = None
+
+
+class RequestOutput(BaseModel):
+    req_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+
+
+class Outputs(BaseModel):
+    """outputs.json: generated tokens and text per request."""
+
+    schema_version: int = SCHEMA_VERSION
+    requests: list[RequestOutput]
