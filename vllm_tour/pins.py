@@ -123,7 +123,8 @@ def wheel_commit(root: Path) -> str | None:
     m = re.search(r"commit_id\s*(?::[^=]*)?=\s*['\"]([0-9a-fA-F]{7,40})['\"]", text)
     if m:
         return m.group(1)
-    m = re.search(r"__commit_id__\s*=\s*['\"]([^'\"]*)['\"]", text)
+    # vcs-versioning writes a chained assignment: `__commit_id__ = commit_id = 'g<sha>'`.
+    m = re.search(r"__commit_id__\s*=\s*(?:commit_id\s*=\s*)?['\"]([^'\"]*)['\"]", text)
     if m and re.fullmatch(r"(g)?[0-9a-fA-F]{7,40}", m.group(1)):
         return m.group(1).lstrip("g")
     m = re.search(r"version\s*(?::[^=]*)?=\s*['\"][^'\"]*\+g([0-9a-f]{7,40})", text)

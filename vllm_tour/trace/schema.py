@@ -156,6 +156,9 @@ class CaptureRecord(_Record):
     tensor: str  # key inside that file
     shape: list[int]
     dtype: str
+    # kv_blocks.*: the physical block ids of the captured rows, in tensor order.
+    block_ids: list[int] | None = None
+    layout: str | None = None  # axis meaning when not obvious from the name
 
 
 class ProbeErrorRecord(_Record):

@@ -1,0 +1,89 @@
+"""Qwen3 forward pass in plain torch, fp32, reading the same safetensors as upstream.
+
+Upstream counterparts (v0.32.0):
+- `vllm.model_executor.models.qwen3.Qwen3ForCausalLM`, `Qwen3Model`,
+  `Qwen3DecoderLayer`, `Qwen3Attention` (q/k RMSNorm per head, then RoPE)
+- `vllm.model_executor.models.qwen2.Qwen2MLP` (SiLU-gated MLP)
+- `vllm.model_executor.layers.layernorm.RMSNorm`
+- `vllm.model_executor.layers.rotary_embedding.RotaryEmbedding` (neox style)
+
+The batch is *flattened*: tokens of all scheduled requests are concatenated
+into one [num_tokens] sequence; `positions` says where each sits in its own
+request; attention (paged_attn.py) keeps requests apart.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from .paged_attn import BatchMeta, PagedKVCache, paged_attention
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def rope_cos_sin(max_pos: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+    freqs = torch.outer(torch.arange(max_pos, dtype=torch.float), inv_freq)
+    return freqs.cos(), freqs.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Neox-style rotation: the first and second halves of each head form the pairs."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+class Qwen3:
+    def __init__(self, model_dir: str | Path):
+        model_dir = Path(model_dir)
+        self.cfg = json.loads((model_dir / "config.json").read_text())
+        self.w = {k: v.float() for k, v in load_file(str(model_dir / "model.safetensors")).items()}
+        c = self.cfg
+        self.num_layers = c["num_hidden_layers"]
+        self.num_heads = c["num_attention_heads"]
+        self.num_kv_heads = c["num_key_value_heads"]
+        self.head_dim = c.get("head_dim") or c["hidden_size"] // self.num_heads
+        self.eps = c["rms_norm_eps"]
+        self.cos, self.sin = rope_cos_sin(c["max_position_embeddings"], self.head_dim, c.get("rope_theta", 10000.0))
+        lm_head = "lm_head.weight" if "lm_head.weight" in self.w else "model.embed_tokens.weight"
+        self.lm_head = self.w[lm_head]
+        # Per-layer attention outputs of the last forward (for tensor comparisons).
+        self.last_attn_out: dict[int, torch.Tensor] = {}
+
+    def new_kv_caches(self, num_blocks: int, block_size: int) -> list[PagedKVCache]:
+        return [PagedKVCache(num_blocks, block_size, self.num_kv_heads, self.head_dim) for _ in range(self.num_layers)]
+
+    def forward(self, input_ids: list[int], positions: list[int], meta: BatchMeta, caches: list[PagedKVCache]) -> torch.Tensor:
+        """Hidden states [num_tokens, hidden] after the final norm."""
+        w, n, hd = self.w, len(input_ids), self.head_dim
+        pos = torch.tensor(positions, dtype=torch.long)
+        cos, sin = self.cos[pos], self.sin[pos]
+        x = w["model.embed_tokens.weight"][torch.tensor(input_ids, dtype=torch.long)]
+        for i in range(self.num_layers):
+            p = f"model.layers.{i}."
+            h = rms_norm(x, w[p + "input_layernorm.weight"], self.eps)
+            q = (h @ w[p + "self_attn.q_proj.weight"].T).view(n, self.num_heads, hd)
+            k = (h @ w[p + "self_attn.k_proj.weight"].T).view(n, self.num_kv_heads, hd)
+            v = (h @ w[p + "self_attn.v_proj.weight"].T).view(n, self.num_kv_heads, hd)
+            # Qwen3's twist on Qwen2: RMSNorm each head's q and k before RoPE.
+            q = apply_rope(rms_norm(q, w[p + "self_attn.q_norm.weight"], self.eps), cos, sin)
+            k = apply_rope(rms_norm(k, w[p + "self_attn.k_norm.weight"], self.eps), cos, sin)
+            attn = paged_attention(q, k, v, caches[i], meta)
+            self.last_attn_out[i] = attn
+            x = x + attn @ w[p + "self_attn.o_proj.weight"].T
+            h = rms_norm(x, w[p + "post_attention_layernorm.weight"], self.eps)
+            gate = h @ w[p + "mlp.gate_proj.weight"].T
+            up = h @ w[p + "mlp.up_proj.weight"].T
+            x = x + (torch.nn.functional.silu(gate) * up) @ w[p + "mlp.down_proj.weight"].T
+        return rms_norm(x, w["model.norm.weight"], self.eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden @ self.lm_head.T

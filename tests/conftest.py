@@ -1,0 +1,38 @@
+"""Shared pytest fixtures. Other areas append their own sections below; keep them session-scoped."""
+
+# --- trace (issue 3): upstream runs shared by tests/test_trace_*.py ---------------------------
+import os
+
+import pytest
+
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+class _TraceRuns:
+    """Runs each canonical scenario once per session (probes on or off), on demand."""
+
+    def __init__(self, root):
+        self.root = root
+        self._cache = {}
+
+    def get(self, name: str, probes: bool = True, **kw):
+        from vllm_tour.paths import SCENARIOS_DIR
+        from vllm_tour.scenario import load_scenario
+        from vllm_tour.trace.run import run_upstream
+
+        key = (name, probes, tuple(sorted((k, str(v)) for k, v in kw.items())))
+        if key not in self._cache:
+            tag = f"{name}-{'on' if probes else 'off'}" + "".join(f"-{k}" for k in sorted(kw))
+            self._cache[key] = run_upstream(load_scenario(SCENARIOS_DIR / f"{name}.toml"), self.root / tag, probes=probes, **kw)
+        return self._cache[key]
+
+
+@pytest.fixture(scope="session")
+def trace_runs(tmp_path_factory):
+    return _TraceRuns(tmp_path_factory.mktemp("trace-runs"))
+
+
+# --- compare (issue 5): upstream runs for tests/test_compare_*.py -----------------------------
+# One upstream engine run per scenario per session, also cached on disk by scenario content
+# (traces/runs/compare-cache/), shared by both compared modules and every mutation test.
+from vllm_tour.compare.pytest_plugin import compare_upstream, upstream_run  # noqa: E402,F401  (fixtures)

@@ -1,0 +1,216 @@
+"""The static site in a real headless Chromium: pages render, notes are visible
+beside the code, links resolve, the language switch works.
+
+Chromium is driven over the DevTools protocol on a pipe (--remote-debugging-pipe:
+JSON messages, NUL-terminated, on fds 3/4), so no extra Python package is needed.
+Screenshots go to test-artifacts/.
+"""
+
+import base64
+import fcntl
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from vllm_tour.paths import REPO_ROOT
+from vllm_tour.source.annotations import load_all
+from vllm_tour.source.html import write_site
+from vllm_tour.source.pinned import tree_for_pin
+
+ARTIFACTS = REPO_ROOT / "test-artifacts"
+SCHED_PAGE = "sym/vllm.v1.core.sched.scheduler.Scheduler.schedule.html"
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+class Browser:
+    """A minimal DevTools-protocol client over Chromium's debugging pipe."""
+
+    def __init__(self, profile: Path):
+        r_cmd, w_cmd = os.pipe()  # we write commands -> chromium reads fd 3
+        r_ev, w_ev = os.pipe()  # chromium writes fd 4 -> we read
+        flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 f"--user-data-dir={profile}", "--remote-debugging-pipe", "--window-size=1400,1000",
+                 "--allow-file-access-from-files", "about:blank"]
+
+        # bash (dash rejects fds > 9) puts our pipe ends on fds 3/4 for chromium. Move
+        # them above 9 first, so that redirecting onto 3 cannot clobber the other end.
+        hi_r, hi_w = (fcntl.fcntl(fd, fcntl.F_DUPFD, 10) for fd in (r_cmd, w_ev))
+        os.close(r_cmd)
+        os.close(w_ev)
+        cmd = " ".join(shlex.quote(x) for x in [CHROMIUM, *flags]) + f" 3<&{hi_r} 4>&{hi_w}"
+        self.proc = subprocess.Popen(["bash", "-c", "exec " + cmd], pass_fds=(hi_r, hi_w),
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        os.close(hi_r)
+        os.close(hi_w)
+        self.out = os.fdopen(w_cmd, "wb", buffering=0)
+        self.inp = os.fdopen(r_ev, "rb", buffering=0)
+        self.buf = b""
+        self.next_id = 0
+        targets = self.call("Target.getTargets")["targetInfos"]
+        page = next(t for t in targets if t["type"] == "page")
+        self.session = self.call("Target.attachToTarget", targetId=page["targetId"], flatten=True)["sessionId"]
+        self.call("Page.enable", session=True)
+        self.call("Runtime.enable", session=True)
+
+    def _read(self) -> dict:
+        while b"\0" not in self.buf:
+            chunk = self.inp.read(65536)
+            if not chunk:
+                raise RuntimeError("chromium closed the debugging pipe")
+            self.buf += chunk
+        msg, self.buf = self.buf.split(b"\0", 1)
+        return json.loads(msg)
+
+    def call(self, method: str, session: bool = False, **params) -> dict:
+        self.next_id += 1
+        msg = {"id": self.next_id, "method": method, "params": params}
+        if session:
+            msg["sessionId"] = self.session
+        self.out.write(json.dumps(msg).encode() + b"\0")
+        while True:
+            reply = self._read()
+            if reply.get("id") == self.next_id:
+                if "error" in reply:
+                    raise RuntimeError(f"{method}: {reply['error']}")
+                return reply.get("result", {})
+
+    def wait_event(self, name: str) -> dict:
+        while True:
+            msg = self._read()
+            if msg.get("method") == name:
+                return msg.get("params", {})
+
+    def goto(self, url: str) -> None:
+        self.call("Page.navigate", session=True, url=url)
+        self.wait_event("Page.loadEventFired")
+
+    def js(self, expr: str):
+        r = self.call("Runtime.evaluate", session=True, expression=expr, returnByValue=True, awaitPromise=True)
+        if "exceptionDetails" in r:
+            raise RuntimeError(f"JS error in {expr!r}: {r['exceptionDetails']}")
+        return r["result"].get("value")
+
+    def click(self, selector: str) -> None:
+        """Click through the page like a user would (the element's centre)."""
+        box = self.js(f"(() => {{ const e = document.querySelector({json.dumps(selector)}); e.scrollIntoView();"
+                      f" const r = e.getBoundingClientRect(); return [r.x + r.width/2, r.y + r.height/2]; }})()")
+        for kind in ("mousePressed", "mouseReleased"):
+            self.call("Input.dispatchMouseEvent", session=True, type=kind, x=box[0], y=box[1], button="left", clickCount=1)
+
+    def screenshot(self, path: Path) -> None:
+        data = self.call("Page.captureScreenshot", session=True, format="png")["data"]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(base64.b64decode(data))
+
+    def close(self) -> None:
+        try:
+            self.call("Browser.close")
+        except Exception:
+            pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("site")
+    write_site(out, tree_for_pin("v0.32.0"), load_all(), "v0.32.0")
+    return out
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if CHROMIUM is None:
+        pytest.fail("chromium not installed (make test installs it: apt-get install -y chromium)")
+    profile = Path(tempfile.mkdtemp(prefix="vllm-tour-chromium-"))
+    b = Browser(profile)
+    yield b
+    b.close()
+    shutil.rmtree(profile, ignore_errors=True)
+
+
+VISIBLE = "(e => !!e && e.offsetParent !== null && e.getBoundingClientRect().height > 0)"
+
+
+def test_index_follows_the_journey_and_links_concepts(site, browser):
+    browser.goto((site / "index.html").as_uri())
+    subs = browser.js("[...document.querySelectorAll('section.sub h3 [lang=en]')].map(e => e.textContent)")
+    assert subs[0].startswith("Entrypoint") and "Scheduler" in subs and subs[-1] == "Output processing"
+    assert subs == [s.title["en"] for s in load_all()]
+    # every concept row links to at least one note, and the preemption row to the scheduler
+    rows = browser.js("[...document.querySelectorAll('tr[id^=concept-]')].map(r => [r.id, r.querySelectorAll('a').length])")
+    assert rows and all(n > 0 for _, n in rows), rows
+    pre = browser.js("[...document.querySelectorAll('#concept-preemption a')].map(a => a.getAttribute('href'))")
+    assert "sym/vllm.v1.core.sched.scheduler.Scheduler.schedule.html?lang=en#note-sched-pick-victim" in pre, pre
+    browser.screenshot(ARTIFACTS / "site-index.png")
+
+
+def test_symbol_page_shows_notes_beside_code(site, browser):
+    browser.goto((site / SCHED_PAGE).as_uri())
+    n_notes = browser.js(f"[...document.querySelectorAll('.note')].filter({VISIBLE}).length")
+    expected = sum(1 for s in load_all() for n in s.notes if n.symbol.endswith("Scheduler.schedule"))
+    assert n_notes == expected > 5
+    # the note on allocate_slots sits in the same row as the code it anchors, to its right
+    geo = browser.js("""(() => {
+        const note = document.getElementById('note-sched-allocate-running');
+        const row = note.closest('.row');
+        const hl = row.querySelector('.line.hl');
+        const n = note.getBoundingClientRect(), c = hl.getBoundingClientRect();
+        return {code: hl.textContent, noteLeft: n.left, codeRight: c.left + 200, noteTop: n.top, codeTop: c.top};
+    })()""")
+    assert "self.kv_cache_manager.allocate_slots(" in geo["code"]
+    assert geo["noteLeft"] > geo["codeRight"]  # beside, not below
+    assert abs(geo["noteTop"] - geo["codeTop"]) < 60
+    # English shown, Chinese hidden
+    en, zh = browser.js(f"""[
+        {VISIBLE}(document.querySelector('#note-sched-pick-victim .body[lang=en]')),
+        {VISIBLE}(document.querySelector('#note-sched-pick-victim .body[lang=zh]'))]""")
+    assert en and not zh
+    browser.screenshot(ARTIFACTS / "site-schedule-en.png")
+
+
+def test_language_switch_and_links(site, browser):
+    browser.goto((site / SCHED_PAGE).as_uri())
+    browser.click("#lang-zh")
+    state = browser.js(f"""({{
+        lang: document.documentElement.dataset.lang,
+        zh: {VISIBLE}(document.querySelector('#note-sched-pick-victim .body[lang=zh]')),
+        en: {VISIBLE}(document.querySelector('#note-sched-pick-victim .body[lang=en]')),
+        text: document.querySelector('#note-sched-pick-victim .body[lang=zh]').innerText,
+        pressed: document.getElementById('lang-zh').getAttribute('aria-pressed'),
+    }})""")
+    assert state["lang"] == "zh" and state["zh"] and not state["en"], state
+    assert "牺牲者" in state["text"] and state["pressed"] == "true"
+    browser.screenshot(ARTIFACTS / "site-schedule-zh.png")
+
+    # follow a "see" link from the page: it lands on the KV manager's page, still in Chinese
+    href = browser.js("document.querySelector('#note-sched-allocate-running .tags a[title$=allocate_slots]').href")
+    assert "lang=zh" in href
+    browser.goto(href)
+    landed = browser.js(f"""({{
+        title: document.querySelector('header h1').textContent,
+        lang: document.documentElement.dataset.lang,
+        notes: [...document.querySelectorAll('.note')].filter({VISIBLE}).length,
+    }})""")
+    assert landed["title"] == "vllm.v1.core.kv_cache_manager.KVCacheManager.allocate_slots"
+    assert landed["lang"] == "zh" and landed["notes"] >= 3
+
+    # every internal link of the index points at a file that exists
+    browser.goto((site / "index.html").as_uri())
+    hrefs = browser.js("[...document.querySelectorAll('a.internal')].map(a => a.href)")
+    assert len(hrefs) > 40
+    for h in hrefs:
+        path = Path(h.split("?")[0].split("#")[0].removeprefix("file://"))
+        assert path.is_file(), h
+        frag = h.split("#")[1] if "#" in h else None
+        if frag and frag.startswith("note-"):
+            assert f'id="{frag}"' in path.read_text(), h

@@ -1,0 +1,118 @@
+"""`vllm-tour source` and `vllm-tour annotations check`, run as a user runs them."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vllm_tour.source.annotations import all_notes, load_all
+from vllm_tour.source.pinned import tree_for_pin
+
+CLI = [str(Path(sys.executable).parent / "vllm-tour")]
+SCHED = "vllm.v1.core.sched.scheduler.Scheduler.schedule"
+
+
+def run(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "COLUMNS": "160", "NO_COLOR": "1"}
+    return subprocess.run(CLI + list(args), capture_output=True, text=True, env=env, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def schedule_en() -> str:
+    r = run("source", SCHED)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def test_source_shows_notes_in_place(schedule_en):
+    out = schedule_en.splitlines()
+    sym = tree_for_pin("v0.32.0").resolve(SCHED)
+    alloc = tree_for_pin("v0.32.0").find(sym, "self.kv_cache_manager.allocate_slots(")[0]
+    # the anchored lines carry a gutter marker ...
+    first = next(i for i, l in enumerate(out) if re.match(rf"\s*{alloc.span.start} ▌", l))
+    assert "self.kv_cache_manager.allocate_slots(" in out[first]
+    # ... and the note's panel opens right after the anchored statement's last line
+    panel = next(i for i, l in enumerate(out) if "sched-allocate-running" in l)
+    assert re.match(rf"\s*{alloc.span.end} ▌", out[panel - 1]), out[panel - 1]
+    assert "Reserve KV slots for the new tokens" in "\n".join(out[panel : panel + 6])
+    # a note on the whole symbol comes before the code
+    assert schedule_en.index("sched-no-phases") < schedule_en.index(f"{sym.span.start} │")
+    n = sum(1 for x in all_notes(load_all()) if x.symbol == SCHED)
+    assert f"{n} notes" in out[0]
+
+
+def test_source_in_chinese(schedule_en):
+    r = run("source", SCHED, "--lang", "zh")
+    assert r.returncode == 0, r.stderr
+    assert "牺牲者" in r.stdout and "注解 · sched-pick-victim" in r.stdout
+    assert "The FCFS victim" not in r.stdout and "The FCFS victim" in schedule_en
+
+
+def test_unknown_symbol_is_one_line_with_suggestions():
+    r = run("source", "vllm.v1.core.sched.scheduler.Scheduler.schedul")
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: unknown symbol")
+    assert "did you mean: vllm.v1.core.sched.scheduler.Scheduler.schedule" in lines[0]
+
+
+def test_unknown_language_and_pin_are_errors():
+    assert run("source", SCHED, "--lang", "fr").returncode == 2
+    r = run("source", SCHED, "--pin", "v9.9.9")
+    assert r.returncode == 2 and "known pins" in r.stderr
+
+
+def test_content_is_bilingual_and_covers_the_journey():
+    subs = load_all()
+    notes = all_notes(subs)
+    assert len(notes) >= 60
+    cjk = re.compile(r"[\u4e00-\u9fff]")
+    for n in notes:
+        assert len(cjk.findall(n.zh)) >= 20, n.id  # real Chinese prose, not a copy of the English
+        assert not cjk.search(n.en), n.id
+        assert len(n.en.split()) >= 20, n.id
+    concepts = {c for n in notes for c in n.concepts}
+    assert {"admission", "chunked-prefill", "preemption", "prefix-hit", "eviction", "slot-mapping",
+            "block-table", "sampling", "tp-fanout"} <= concepts
+    assert [s.name for s in subs][:3] == ["entrypoint", "engine_core", "scheduler"]
+    # "see" targets are annotated symbols or note ids, so the site can link them
+    ids = {n.id for n in notes}
+    symbols = {n.symbol for n in notes}
+    for n in notes:
+        for t in n.see:
+            assert t in ids or t in symbols or tree_for_pin("v0.32.0").resolve(t), (n.id, t)
+
+
+@pytest.mark.fetches_wheel  # runs in CI too: downloads vllm==0.21.0 once (cached), see pins/v0.21.0.toml
+def test_check_two_pins_reports_counts_orphans_and_drift():
+    n = len(all_notes(load_all()))
+    r = run("annotations", "check", "--pin", "v0.32.0", "--pin", "v0.21.0", "--json")
+    assert r.returncode in (0, 1), r.stderr
+    rep = {p["pin"]: p for p in json.loads(r.stdout)["pins"]}
+    new, old = rep["v0.32.0"], rep["v0.21.0"]
+    # the notes are written for v0.32.0: all resolve there, none can drift against itself
+    assert new["resolved"] == n and new["orphaned"] == 0 and new["drifted"] == 0
+    assert old["resolved"] + old["orphaned"] == n
+    assert r.returncode == (1 if old["orphaned"] else 0)
+    # 0.21.0 is an older engine: most of the request path exists, but not all of it
+    assert old["resolved"] > n // 2 and old["orphaned"] > 0 and 0 < old["drifted"] <= old["resolved"]
+    for o in old["orphans"]:
+        assert o["problem"]
+    # the offline entrypoint moved into vllm.entrypoints.common.offline after 0.21.0
+    moved = next(o for o in old["orphans"] if o["id"] == "entry-run-engine-loop")
+    assert moved["nearest"][0] == "vllm.entrypoints.llm.LLM._run_engine"
+
+    table = run("annotations", "check", "--pin", "v0.32.0", "--pin", "v0.21.0")
+    assert table.returncode == r.returncode
+    assert re.search(rf"v0\.21\.0\s*│\s*{old['resolved']}\s*│\s*{old['orphaned']}\s*│\s*{old['drifted']}", table.stdout)
+    assert "nearest: vllm.entrypoints.llm.LLM._run_engine" in table.stdout
+
+
+def test_check_installed_pin_is_clean():
+    r = run("annotations", "check")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "ambiguous" not in r.stdout.split("┘")[-1]  # no ambiguity warnings below the table

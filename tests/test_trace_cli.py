@@ -1,0 +1,100 @@
+"""The user's view: `vllm-tour show/export/trace` output, exit codes and one-line errors."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from vllm_tour.paths import GOLDEN_DIR, REPO_ROOT
+from vllm_tour.trace.perfetto import to_chrome_trace
+from vllm_tour.trace.reader import load_run
+
+
+def cli(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "vllm_tour.cli", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout, env={**__import__("os").environ, "COLUMNS": "160"})
+
+
+def test_show_renders_preemption_and_the_block_grid():
+    r = cli("show", str(GOLDEN_DIR / "preemption"))
+    assert r.returncode == 0, r.stderr
+    assert "PREEMPT r2" in r.stdout and "block tables after step" in r.stdout and "outputs" in r.stdout
+
+
+def test_show_step_explains_the_preemption():
+    run = load_run(GOLDEN_DIR / "preemption")
+    step = next(s.index for s in run.steps if s.scheduler.preempted)
+    r = cli("show", "preemption", "--step", str(step))  # a golden name resolves too
+    assert r.returncode == 0, r.stderr
+    assert "preempted r2: no free KV blocks" in r.stdout and "slot_mapping" in r.stdout
+
+
+def test_show_request_follows_one_request():
+    r = cli("show", "shared_prefix", "--request", "second")
+    assert r.returncode == 0, r.stderr
+    assert "hit second:64t" in r.stdout and "request second: block table per step" in r.stdout
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("show", "/nonexistent/run"), "no run directory /nonexistent/run"),
+        (("show", "single", "--step", "999"), "has no step 999"),
+        (("show", "single", "--request", "zz"), "no request 'zz'"),
+        (("export", "single", "--format", "svg"), "unknown format 'svg'"),
+        (("trace",), "nothing to run"),
+        (("trace", "-r", "hi", "--capture", "logits"), "unknown capture 'logits'"),
+        (("trace", "-r", "hi", "--block-size", "16"), "multiple of 32"),
+        (("trace", "-r", "hi", "--pin", "v0.0.1"), "no pin 'v0.0.1'"),
+        (("trace", "-r", "hi", "--model", "Nope-7B"), "Nope-7B"),
+    ],
+)
+def test_errors_are_one_line_with_exit_2(args, message):
+    r = cli(*args)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    err = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(err) == 1 and message in err[0], r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_help_teaches():
+    r = cli("trace", "--help")
+    assert r.returncode == 0 and "--num-blocks" in r.stdout and "preemption" in r.stdout and "chunked prefill" in r.stdout
+
+
+def _check_chrome_trace(data):
+    assert isinstance(data["traceEvents"], list) and data["traceEvents"]
+    for ev in data["traceEvents"]:
+        assert {"ph", "pid", "tid", "name"} <= ev.keys(), ev
+        if ev["ph"] == "X":
+            assert isinstance(ev["ts"], (int, float)) and ev["dur"] > 0
+        elif ev["ph"] == "C":
+            assert isinstance(ev["ts"], (int, float)) and ev["args"] and all(isinstance(v, (int, float)) for v in ev["args"].values())
+        elif ev["ph"] == "i":
+            assert ev["s"] in "gpt" and isinstance(ev["ts"], (int, float))
+        elif ev["ph"] == "M":
+            assert ev["name"] in ("process_name", "thread_name") and ev["args"]["name"]
+        else:
+            pytest.fail(f"unexpected phase {ev['ph']}")
+
+
+@pytest.mark.parametrize("name", ["preemption", "chunked_prefill", "shared_prefix"])
+def test_perfetto_export_structure(name):
+    run = load_run(GOLDEN_DIR / name)
+    data = to_chrome_trace(run)
+    _check_chrome_trace(data)
+    evs = data["traceEvents"]
+    assert sum(1 for e in evs if e["ph"] == "X" and e["tid"] == 1) == len(run.steps)
+    names = {e["name"] for e in evs}
+    assert {"KV usage", "requests", "decode"} <= names
+    if name == "preemption":
+        assert "preempted" in names and any(n.startswith("resumed") for n in names) and "waiting" in names
+    if name == "chunked_prefill":
+        assert sum(1 for n in names if n.startswith("prefill ")) >= 3
+
+
+def test_export_command_writes_a_file(tmp_path):
+    out = tmp_path / "t.json"
+    r = cli("export", "preemption", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    _check_chrome_trace(json.loads(out.read_text()))

@@ -1,0 +1,81 @@
+"""`vllm-tour compare`: run the comparisons, print, write JSON, choose the exit code."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from rich.console import Console
+
+from ..errors import TourError
+from . import diffs, harness, report
+
+
+def run_compare(module: str, scenario: Path | None, all_scenarios: bool, explain: bool, json_out: Path | None,
+                fresh: bool, atol: float, rtol: float, console: Console) -> int:
+    """0: every scenario clean; 1: some diverged; 2 (TourError): could not run."""
+    harness.check_module(module)
+    paths = harness.scenario_paths(all_scenarios, scenario)
+    from ..scenario import load_scenario
+
+    results, skipped, failed = [], [], []
+    for path in paths:
+        sc = load_scenario(path)
+        why = harness.applicable(sc)
+        if why:
+            if not all_scenarios:
+                raise TourError(f"scenario {sc.name}: the reimpl cannot run it: {why}")
+            skipped.append({"scenario": sc.name, "path": str(path), "why": why})
+            continue
+        console.print(f"[dim]{module} · {sc.name}: running upstream (cached per scenario) and reimpl…[/]")
+        try:
+            r = harness.compare(module, path, fresh=fresh, explain=explain, atol=atol, rtol=rtol)
+        except TourError as e:
+            if not all_scenarios:
+                raise
+            failed.append({"scenario": sc.name, "path": str(path), "error": str(e)})
+            console.print(f"[red]{sc.name}: could not run: {e}[/]")
+            continue
+        report.render(r, console, explain=explain)
+        results.append(r)
+
+    summary = {
+        "module": module,
+        "status": "could_not_run" if failed else ("clean" if all(r.clean for r in results) else "diverged"),
+        "tolerance": {"atol": atol, "rtol": rtol},
+        "scenarios": [r.to_json() for r in results],
+        "skipped": skipped,
+        "could_not_run": failed,
+        "time": time.time(),
+    }
+    out = Path(json_out) if json_out else harness.RUNS_DIR / "compare" / f"{time.strftime('%Y%m%d-%H%M%S')}-{module.replace('.', '_')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(summary, indent=2, default=str))
+
+    if len(paths) > 1 or skipped:
+        from rich.table import Table
+
+        t = Table(title=f"compare {module}: summary")
+        for col in ("scenario", "result", "first divergence", "max |Δ| tensors"):
+            t.add_column(col, overflow="fold")
+        for r in results:
+            f = r.first
+            first = f"step {f.step}: {f.field}" if f and f.step is not None else (f.field if f else "-")
+            mx = max((s.max_abs for s in r.tensors), default=None)
+            t.add_row(r.scenario, "[green]clean[/]" if r.clean else "[red]diverged[/]", first,
+                      f"{mx:.1e}" if mx is not None else "-")
+        for s in skipped:
+            t.add_row(s["scenario"], "[yellow]skipped[/]", s["why"], "-")
+        for s in failed:
+            t.add_row(s["scenario"], "[red]could not run[/]", s["error"], "-")
+        console.print(t)
+    console.print(f"JSON report: {out}")
+    if failed:
+        raise TourError(f"{len(failed)} scenario(s) could not run (first: {failed[0]['scenario']}: {failed[0]['error']})")
+    if not results:
+        raise TourError("no scenario could be compared (all skipped)")
+    return 0 if all(r.clean for r in results) else 1
+
+
+DEFAULT_ATOL, DEFAULT_RTOL = diffs.ATOL, diffs.RTOL

@@ -1,0 +1,105 @@
+"""Rendering compare results: a rich report for people, JSON for machines."""
+
+from __future__ import annotations
+
+import json
+
+from rich.console import Console
+from rich.table import Table
+
+from .harness import CompareResult
+
+
+def _short(v, n: int = 90) -> str:
+    s = json.dumps(v, default=str) if not isinstance(v, str) else v
+    return s if len(s) <= n else s[: n - 1] + "…"
+
+
+def render(result: CompareResult, console: Console, explain: bool = False, max_rows: int = 12) -> None:
+    j = result.to_json()
+    status = "[green]clean[/]" if result.clean else "[red]DIVERGED[/]"
+    console.rule(f"compare {result.module} · {result.scenario} · {status}")
+    console.print(f"upstream run: {result.upstream_run}   steps upstream {result.steps_upstream} / reimpl {result.steps_reimpl}"
+                  f"   ({result.duration_s:.1f}s)")
+
+    t = Table(title="tokens (exact)", show_lines=False)
+    for col in ("request", "upstream", "reimpl", ""):
+        t.add_column(col, overflow="fold")
+    for rid, tok in result.tokens.items():
+        same = tok["upstream"] == tok["reimpl"]
+        mark = "[yellow]forced[/]" if tok["forced"] else ("[green]=[/]" if same else "[red]≠[/]")
+        t.add_row(rid, _short(tok["upstream"], 60), _short(tok["reimpl"], 60), mark)
+    console.print(t)
+
+    first = result.first
+    if first is not None:
+        where = f"step {first.step}" if first.step is not None else "outputs"
+        console.print(f"[bold red]first divergence[/]: {where} · [bold]{first.field}[/]"
+                      + (f" · request {first.req_id}" if first.req_id else ""))
+        console.print(f"  upstream: {_short(first.upstream, 200)}")
+        console.print(f"  reimpl:   {_short(first.reimpl, 200)}")
+        if first.message:
+            console.print(f"  {first.message}")
+        d = Table(title=f"decision/token divergences ({len(result.divergences)}, first {max_rows})")
+        for col in ("step", "field", "upstream", "reimpl"):
+            d.add_column(col, overflow="fold")
+        for dv in sorted(result.divergences, key=lambda x: (x.step is None, x.step or 0))[:max_rows]:
+            d.add_row(str(dv.step) if dv.step is not None else "-", dv.field, _short(dv.upstream), _short(dv.reimpl))
+        console.print(d)
+    else:
+        console.print("[green]decisions identical[/] at every step: scheduled requests and token counts, "
+                      "preemptions, finishes, block tables, new/freed/evicted blocks, prefix hits, runner inputs, slot mapping")
+
+    if result.tensors:
+        tt = Table(title=f"tensors (tolerance: |Δ| ≤ {j['tolerance']['atol']:g} + {j['tolerance']['rtol']:g}·|upstream|, fp32)")
+        for col in ("name", "steps", "max |Δ|", "max rel", "ok"):
+            tt.add_column(col)
+        by_name: dict[str, list] = {}
+        for s in result.tensors:
+            by_name.setdefault(s.name, []).append(s)
+        for name, stats in by_name.items():
+            ok = all(s.ok for s in stats)
+            bad = [s.step for s in stats if not s.ok]
+            tt.add_row(name, f"{len(stats)}" + (f" (bad: {bad[:5]})" if bad else ""),
+                       f"{max(s.max_abs for s in stats):.2e}", f"{max(s.max_rel for s in stats):.2e}",
+                       "[green]yes[/]" if ok else "[red]NO[/]")
+        console.print(tt)
+        for s in result.bad_tensors[:3]:
+            if s.note:
+                console.print(f"  [red]{s.name} step {s.step}[/]: {s.note}")
+    for n in result.notes:
+        console.print(f"[dim]note: {n}[/]")
+    if explain and result.explain:
+        render_explain(result.explain, console)
+
+
+def render_explain(ex: dict, console: Console) -> None:
+    step = ex.get("step")
+    console.rule(f"explain: state at step {step}")
+    if step is None:
+        console.print(_short(ex.get("divergence"), 400))
+        return
+    t = Table(show_lines=True)
+    t.add_column("", style="bold")
+    t.add_column("upstream", overflow="fold")
+    t.add_column("reimpl", overflow="fold")
+    up, re_ = ex["upstream"], ex["reimpl"]
+    for k in up:
+        if up[k] != re_.get(k):
+            t.add_row(f"[red]{k}[/]", _short(up[k], 300), _short(re_.get(k), 300))
+        else:
+            t.add_row(k, _short(up[k], 300), "[dim]same[/]")
+    console.print(t)
+    prev = ex.get("previous_step")
+    if prev:
+        console.print(f"[bold]step {step - 1}[/] (before): block tables upstream {_short(prev['upstream'].get('block_tables'), 200)}")
+        console.print(f"                     reimpl   {_short(prev['reimpl'].get('block_tables'), 200)}")
+    st = ex.get("reimpl_internal_state")
+    if st:
+        console.print("[bold]reimpl scheduler state after schedule()[/]: "
+                      f"budget {st['token_budget']} (left {st['budget_left']}), admission stopped by "
+                      f"{st['admission_stopped_by'] or '-'}, free blocks {st['free_blocks']}, "
+                      f"free queue head {st['free_queue_head']}")
+        for q in ("running", "waiting"):
+            rows = ", ".join(f"{r['req_id']}({r['num_computed_tokens']}/{r['num_tokens']})" for r in st[q])
+            console.print(f"  {q}: {rows or '-'}")

@@ -1,0 +1,145 @@
+"""Probe declarations and the machinery that wraps upstream callables with them.
+
+A `Probe` names its upstream target by qualified name, the leading parameters
+it expects (checked against the installed source at install time), what it
+records, and the pins it was written against. Its `before`/`after` hooks run
+around the original call; they observe only, and any exception they raise is
+caught and written as a `ProbeErrorRecord` — the engine never sees it.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ..errors import TourError
+
+# Set by tests to prove a failing probe leaves the engine alone: the named
+# probe's `before` raises on every call.
+FAULT_ENV = "VLLM_TOUR_FAULT"
+_SKIP = object()  # `before` failed: skip `after` for this call
+
+
+@dataclass(frozen=True)
+class Probe:
+    name: str  # e.g. "scheduler.schedule"; used in probe-error records and FAULT_ENV
+    target: str  # upstream qualified name: module path + class + attribute
+    params: tuple[str, ...]  # leading parameter names the hooks rely on
+    records: str  # what it records, in words (shown by `vllm-tour trace --list-probes`)
+    pins: tuple[str, ...]  # pins whose source this probe was checked against
+    before: Callable[..., Any] | None = None  # (*args, **kwargs) -> token
+    after: Callable[..., None] | None = None  # (token, result, *args, **kwargs)
+    capture_only: bool = False  # installed only when tensors are captured
+    role: str = "engine_core"  # which step counter its errors are filed under
+
+
+@dataclass
+class Resolved:
+    probe: Probe
+    owner: Any  # class (or module) holding the attribute
+    attr: str
+    original: Callable
+
+
+def resolve_target(qualname: str) -> tuple[Any, str, Any]:
+    """Import the longest module prefix of `qualname`, then walk attributes.
+
+    Returns (owner, attribute name, current value); raises LookupError naming
+    the part that is missing.
+    """
+    parts = qualname.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        modname = ".".join(parts[:cut])
+        try:
+            obj = importlib.import_module(modname)
+        except ImportError:
+            continue
+        owner = obj
+        for i, name in enumerate(parts[cut:]):
+            if not hasattr(obj, name):
+                missing = ".".join(parts[: cut + i + 1])
+                raise LookupError(f"{missing} does not exist")
+            owner, obj = obj, getattr(obj, name)
+        return owner, parts[-1], obj
+    raise LookupError(f"no importable module in {qualname}")
+
+
+def _unwrap(fn: Any) -> Any:
+    # Our own wrapper (an earlier install) or a decorator's functools.wraps.
+    return inspect.unwrap(fn)
+
+
+def resolve(probe: Probe, pin: str) -> Resolved:
+    """Find the probe's target on the installed vLLM and check its signature."""
+    if pin not in probe.pins:
+        raise TourError(
+            f"probe {probe.name} has not been checked against pin {pin} "
+            f"(target {probe.target}; supported pins: {', '.join(probe.pins)})"
+        )
+    try:
+        owner, attr, current = resolve_target(probe.target)
+    except LookupError as e:
+        raise TourError(f"probe {probe.name}: target {probe.target} not found on pin {pin} ({e})") from None
+    original = getattr(current, "__vllm_tour_original__", current)
+    try:
+        names = list(inspect.signature(_unwrap(original)).parameters)
+    except (TypeError, ValueError):
+        raise TourError(f"probe {probe.name}: target {probe.target} on pin {pin} is not a function") from None
+    if tuple(names[: len(probe.params)]) != probe.params:
+        raise TourError(
+            f"probe {probe.name}: target {probe.target} on pin {pin} has parameters "
+            f"({', '.join(names)}), expected ({', '.join(probe.params)}, ...)"
+        )
+    return Resolved(probe, owner, attr, original)
+
+
+def make_wrapper(r: Resolved, recorder) -> Callable:
+    probe, original = r.probe, r.original
+
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        if not recorder.active or (probe.capture_only and not recorder.capture):
+            return original(*args, **kwargs)
+        token = None
+        if probe.before is not None:
+            try:
+                if recorder.fault == probe.name:
+                    raise RuntimeError(f"forced fault in probe {probe.name} ({FAULT_ENV})")
+                token = probe.before(*args, **kwargs)
+            except Exception as e:  # observe only: never let a probe break the engine
+                recorder.probe_error(probe, e, traceback.format_exc())
+                token = _SKIP
+        result = original(*args, **kwargs)
+        if probe.after is not None and token is not _SKIP:
+            try:
+                probe.after(token, result, *args, **kwargs)
+            except Exception as e:
+                recorder.probe_error(probe, e, traceback.format_exc())
+        return result
+
+    wrapper.__vllm_tour_original__ = original
+    wrapper.__vllm_tour_probe__ = probe.name
+    return wrapper
+
+
+def install(resolved: list[Resolved], recorder) -> int:
+    """Replace each target with its wrapper; idempotent. Returns how many were new."""
+    n = 0
+    for r in resolved:
+        current = getattr(r.owner, r.attr)
+        if getattr(current, "__vllm_tour_probe__", None) == r.probe.name:
+            continue  # installed by an earlier call in this process
+        setattr(r.owner, r.attr, make_wrapper(r, recorder))
+        n += 1
+    return n
+
+
+def uninstall(resolved: list[Resolved]) -> None:
+    """Put the original callables back (the overhead benchmark's untraced side)."""
+    for r in resolved:
+        if getattr(getattr(r.owner, r.attr), "__vllm_tour_probe__", None):
+            setattr(r.owner, r.attr, r.original)

@@ -1,0 +1,144 @@
+"""Probes on the KV-cache manager and block pool (EngineCore process).
+
+They collect, while `Scheduler.schedule` runs, what happened to blocks: which
+request got which new blocks, which cached blocks a request reused (prefix
+hits), which blocks went back to the free list, which cached blocks lost their
+hash to be reused (evictions), and the last allocation that failed (the reason
+behind a preemption). `scheduler.py` turns that into one `KVRecord` per step.
+"""
+
+from __future__ import annotations
+
+from ..trace.schema import KVRecord, PrefixHit
+from ..trace.writer import RECORDER as R
+from ..trace.writer import user_req_id
+from .base import Probe
+
+PINS = ("v0.32.0",)
+KVM = "vllm.v1.core.kv_cache_manager.KVCacheManager"
+POOL = "vllm.v1.core.block_pool.BlockPool"
+
+
+def _block_ids(blocks) -> list[int]:
+    """Block ids of the first KV-cache group of a KVCacheBlocks (None -> [])."""
+    if blocks is None:
+        return []
+    groups = blocks.blocks
+    return [b.block_id for b in groups[0]] if groups else []
+
+
+def new_step_scratch() -> dict:
+    return {"allocated": {}, "hits": []}
+
+
+# --- allocate_slots: new blocks, prefix hits, failures ---------------------------------
+
+
+def _alloc_before(self, request, num_new_tokens, num_new_computed_tokens=0, new_computed_blocks=None, *a, **kw):
+    hit_ids = _block_ids(new_computed_blocks) if num_new_computed_tokens else []
+    return (request.request_id, num_new_tokens, num_new_computed_tokens, hit_ids, self.block_pool.get_num_free_blocks())
+
+
+def _alloc_after(token, result, self, request, *a, **kw):
+    rid, n_new, n_hit, hit_ids, free_before = token
+    rid = user_req_id(rid)
+    if result is None:
+        R.last_alloc_failure = {"req_id": rid, "num_tokens": n_new, "free_blocks": free_before}
+        return
+    scratch = R.kv_step
+    if scratch is None:
+        return  # allocation outside schedule(): not a step decision
+    new_ids = _block_ids(result)
+    if new_ids:
+        scratch["allocated"].setdefault(rid, []).extend(new_ids)
+    if n_hit:
+        scratch["hits"].append(PrefixHit(req_id=rid, num_hit_tokens=n_hit, block_ids=hit_ids))
+
+
+allocate_slots = Probe(
+    name="kv.allocate_slots",
+    target=f"{KVM}.allocate_slots",
+    params=("self", "request", "num_new_tokens", "num_new_computed_tokens", "new_computed_blocks"),
+    records="blocks newly given to a request, prefix-cache hits (tokens, reused block ids), failed allocations",
+    pins=PINS,
+    before=_alloc_before,
+    after=_alloc_after,
+)
+
+
+# --- free: blocks that really return to the free list ----------------------------------
+
+
+def _free_before(self, request, *a, **kw):
+    # Copy: upstream may clear these lists while freeing.
+    return [list(g) for g in self.coordinator.get_blocks(request.request_id)]
+
+
+def _free_after(blocks_by_group, result, self, request, *a, **kw):
+    # A block shared with another request (prefix cache) only loses a reference.
+    if blocks_by_group:
+        R.kv_pending_freed.extend(b.block_id for b in blocks_by_group[0] if b.ref_cnt == 0 and not b.is_null)
+
+
+free = Probe(
+    name="kv.free",
+    target=f"{KVM}.free",
+    params=("self", "request"),
+    records="block ids returned to the free list when a request finishes or is preempted",
+    pins=PINS,
+    before=_free_before,
+    after=_free_after,
+)
+
+
+# --- eviction of cached blocks ------------------------------------------------------------
+
+
+def _evict_before(self, block, *a, **kw):
+    return block.block_id
+
+
+def _evict_after(block_id, evicted, self, block, *a, **kw):
+    if evicted:
+        R.kv_pending_evicted.append(block_id)
+
+
+evict = Probe(
+    name="kv.evict",
+    target=f"{POOL}._maybe_evict_cached_block",
+    params=("self", "block"),
+    records="cached blocks whose hash is dropped so they can be reused (evictions)",
+    pins=PINS,
+    before=_evict_before,
+    after=_evict_after,
+)
+
+PROBES = [allocate_slots, free, evict]
+
+
+def kv_record(scheduler, step: int, scratch: dict) -> KVRecord:
+    """The KV state after this step's allocation, plus what changed."""
+    kvm = scheduler.kv_cache_manager
+    pool = kvm.block_pool
+    manager = kvm.coordinator.single_type_managers[0]
+    tables = {
+        user_req_id(rid): [b.block_id for b in blocks]
+        for rid, blocks in list(manager.req_to_blocks.items())
+        if blocks
+    }
+    freed, R.kv_pending_freed = R.kv_pending_freed, []
+    evicted, R.kv_pending_evicted = R.kv_pending_evicted, []
+    return KVRecord(
+        step=step,
+        proc=R.proc("engine_core"),
+        num_blocks=pool.num_gpu_blocks - 1,
+        block_size=scheduler.block_size,
+        free_blocks=pool.get_num_free_blocks(),
+        usage=round(pool.get_usage(), 6),
+        block_tables=tables,
+        allocated=scratch["allocated"],
+        freed=freed,
+        evicted=evicted,
+        prefix_hits=scratch["hits"],
+        prefix_caching=bool(kvm.enable_caching),
+    )

@@ -1,0 +1,141 @@
+"""Probes on the model runner (worker processes): one RunnerRecord per step and rank.
+
+Workers count `execute_model` calls; upstream makes exactly one per
+`Scheduler.schedule` call (also for an empty step), so the counts line up with
+the scheduler's steps. The record is assembled in three places: after
+`_prepare_inputs` (the batch laid out in the runner's buffers), the attention
+metadata build (slot mapping, see attention.py) and `sample_tokens` (sampled ids).
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from ..trace.schema import IntList, RunnerRecord
+from ..trace.writer import RECORDER as R
+from ..trace.writer import user_req_id
+from . import capture
+from .base import Probe
+
+PINS = ("v0.32.0",)
+RUNNER = "vllm.v1.worker.gpu_model_runner.GPUModelRunner"  # the CPU runner inherits these
+FULL_LIMIT = 256  # lists longer than this are summarized
+EDGE = 16
+
+
+def int_list(values) -> IntList:
+    values = [int(v) for v in values]
+    if len(values) <= FULL_LIMIT:
+        return IntList(full=values, length=len(values))
+    digest = hashlib.sha256(",".join(map(str, values)).encode()).hexdigest()
+    return IntList(length=len(values), head=values[:EDGE], tail=values[-EDGE:], sha256=digest)
+
+
+def _tp_rank() -> int:
+    try:
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except Exception:
+        return 0
+
+
+def _execute_before(self, scheduler_output, *a, **kw):
+    if R.worker_step == 0:
+        R.rank = _tp_rank()
+    R.worker_step += 1
+    R.in_execute = True
+    R.runner_pending = {
+        "step": R.worker_step,
+        "num_tokens": scheduler_output.total_num_scheduled_tokens,
+        "sched": dict(scheduler_output.num_scheduled_tokens),
+    }
+
+
+def _execute_after(token, result, self, *a, **kw):
+    R.in_execute = False
+    if result is not None:  # no separate sample_tokens() call will follow
+        _flush(result)
+
+
+def _flush(output) -> None:
+    p, R.runner_pending = R.runner_pending, None
+    if p is None:
+        return
+    sampled: dict[str, list[int]] = {}
+    ids = getattr(output, "req_ids", None)
+    tokens = getattr(output, "sampled_token_ids", None)
+    if ids and isinstance(tokens, list):  # async outputs are not read: that would sync
+        sampled = {user_req_id(r): [int(t) for t in tok] for r, tok in zip(ids, tokens)}
+    req_ids = p.get("req_ids", [])
+    R.write(
+        RunnerRecord(
+            step=p["step"],
+            proc=R.proc("worker"),
+            num_tokens=p["num_tokens"],
+            req_ids=[user_req_id(r) for r in req_ids],
+            num_scheduled_tokens=[p["sched"][r] for r in req_ids],
+            input_ids=p.get("input_ids") or int_list([]),
+            positions=p.get("positions") or int_list([]),
+            query_start_loc=p.get("query_start_loc", []),
+            seq_lens=p.get("seq_lens", []),
+            slot_mapping=p.get("slot_mapping") or int_list([]),
+            logits_indices=p.get("logits_indices", []),
+            sampled_token_ids=sampled,
+        )
+    )
+    capture.flush(p["step"])
+
+
+execute_model = Probe(
+    name="runner.execute_model",
+    target=f"{RUNNER}.execute_model",
+    params=("self", "scheduler_output"),
+    records="counts worker steps; writes the runner record when the step needs no separate sampling",
+    pins=PINS,
+    before=_execute_before,
+    after=_execute_after,
+    role="worker",
+)
+
+
+def _prepare_after(result, out, self, scheduler_output, *a, **kw):
+    p = R.runner_pending
+    if p is None:
+        return
+    n = scheduler_output.total_num_scheduled_tokens
+    num_reqs = self.input_batch.num_reqs
+    p["req_ids"] = list(self.input_batch.req_ids[:num_reqs])
+    p["input_ids"] = int_list(self.input_ids.cpu[:n].tolist())
+    p["positions"] = int_list(self.positions[:n].cpu().tolist())
+    p["query_start_loc"] = self.query_start_loc.cpu[: num_reqs + 1].tolist()
+    p["seq_lens"] = self.seq_lens[:num_reqs].cpu().tolist()
+    p["logits_indices"] = out[0].cpu().tolist()
+
+
+prepare_inputs = Probe(
+    name="runner.prepare_inputs",
+    target=f"{RUNNER}._prepare_inputs",
+    params=("self", "scheduler_output", "num_scheduled_tokens"),
+    records="batch order, input ids, positions, query start offsets, sequence lengths, logits indices",
+    pins=PINS,
+    after=_prepare_after,
+    role="worker",
+)
+
+
+def _sample_after(token, result, self, *a, **kw):
+    _flush(result)
+
+
+sample_tokens = Probe(
+    name="runner.sample_tokens",
+    target=f"{RUNNER}.sample_tokens",
+    params=("self", "grammar_output"),
+    records="sampled token ids per request; writes the runner record and the step's captures",
+    pins=PINS,
+    after=_sample_after,
+    role="worker",
+)
+
+PROBES = [execute_model, prepare_inputs, sample_tokens]

@@ -1,0 +1,146 @@
+"""Probes on the V1 scheduler (EngineCore process): one SchedulerRecord + KVRecord per step.
+
+`Scheduler.schedule` is the step: everything between its entry and return is
+that step's decision. `_preempt_request` is wrapped to name each preempted
+request and why (the allocation that failed just before it).
+"""
+
+from __future__ import annotations
+
+import time
+
+from ..trace.schema import Preemption, ScheduledRequest, SchedulerRecord
+from ..trace.writer import RECORDER as R
+from ..trace.writer import user_req_id
+from . import kv
+from .base import Probe
+
+PINS = ("v0.32.0",)
+SCHED = "vllm.v1.core.sched.scheduler.Scheduler"
+
+
+def _schedule_before(self, *a, **kw):
+    R.sched_step += 1
+    R.kv_step = kv.new_step_scratch()
+    R.preempted = []
+    R.last_alloc_failure = None
+    running, waiting = self.get_request_counts()
+    running_ids = {r.request_id for r in self.running}
+    return time.perf_counter(), running, waiting, running_ids
+
+
+def _prefill_end(req) -> int:
+    # Upstream's own boundary: a resumed request replays its output tokens too.
+    return max(req.num_prompt_tokens, req.num_tokens - 1)
+
+
+def _scheduled(self, out, running_before: set[str]) -> list[ScheduledRequest]:
+    rows = []
+    cached = out.scheduled_cached_reqs
+    entries = [(nr.req_id, nr.num_computed_tokens, False) for nr in out.scheduled_new_reqs]
+    resumed_ids = getattr(cached, "resumed_req_ids", set())
+    entries += [
+        (rid, cached.num_computed_tokens[i], rid in resumed_ids)
+        for i, rid in enumerate(cached.req_ids)
+    ]
+    for rid, computed, resumed in entries:
+        req = self.requests[rid]
+        n = out.num_scheduled_tokens[rid]
+        if resumed or (rid not in running_before and req.num_preemptions > 0):
+            kind = "resumed"
+        elif rid in running_before:
+            kind = "running"
+        else:
+            kind = "new"
+        rows.append(
+            ScheduledRequest(
+                req_id=user_req_id(rid),
+                kind=kind,
+                num_scheduled_tokens=n,
+                num_computed_tokens=computed,
+                num_prompt_tokens=req.num_prompt_tokens,
+                num_output_tokens=req.num_output_tokens,
+                is_prefill=computed < _prefill_end(req),
+            )
+        )
+    return rows
+
+
+def _schedule_after(token, out, self, *a, **kw):
+    t0, running_before, waiting_before, running_ids = token
+    step = R.sched_step
+    scratch, R.kv_step = R.kv_step, None
+    running_after, waiting_after = self.get_request_counts()
+    R.write(
+        SchedulerRecord(
+            step=step,
+            proc=R.proc("engine_core"),
+            time=time.time(),
+            duration_s=time.perf_counter() - t0,
+            waiting_before=waiting_before,
+            running_before=running_before,
+            waiting_after=waiting_after,
+            running_after=running_after,
+            token_budget=self.max_num_scheduled_tokens,
+            tokens_scheduled=out.total_num_scheduled_tokens,
+            max_num_seqs=self.max_num_running_reqs,
+            scheduled=_scheduled(self, out, running_ids),
+            preempted=R.preempted,
+            finished=sorted(user_req_id(r) for r in out.finished_req_ids),
+        )
+    )
+    R.preempted = []
+    R.write(kv.kv_record(self, step, scratch))
+
+
+schedule = Probe(
+    name="scheduler.schedule",
+    target=f"{SCHED}.schedule",
+    params=("self",),
+    records="per step: queue sizes before/after, token budget and use, scheduled requests "
+    "(new/resumed/running, tokens, computed tokens), preemptions, finished; then the KV record",
+    pins=PINS,
+    before=_schedule_before,
+    after=_schedule_after,
+)
+
+
+def _preempt_before(self, request, *a, **kw):
+    rid = user_req_id(request.request_id)
+    held = list(self.kv_cache_manager.get_block_ids(request.request_id)[0])
+    fail = R.last_alloc_failure
+    if fail is None:
+        reason = "preempted outside a failed allocation (e.g. a prefix-cache reset)"
+        return Preemption(req_id=rid, reason=reason, freed_block_ids=held, num_computed_tokens_lost=request.num_computed_tokens)
+    who = fail["req_id"]
+    reason = (
+        f"no free KV blocks: allocate_slots for {who} ({fail['num_tokens']} tokens) "
+        f"failed with {fail['free_blocks']} free blocks; "
+        + (f"{rid} is the lowest-priority running request" if who != rid else f"{rid} itself has no one left to preempt")
+    )
+    return Preemption(
+        req_id=rid,
+        reason=reason,
+        while_allocating_for=who,
+        num_tokens_requested=fail["num_tokens"],
+        free_blocks_at_failure=fail["free_blocks"],
+        freed_block_ids=held,
+        num_computed_tokens_lost=request.num_computed_tokens,
+    )
+
+
+def _preempt_after(preemption, result, *a, **kw):
+    R.preempted.append(preemption)
+
+
+preempt = Probe(
+    name="scheduler.preempt",
+    target=f"{SCHED}._preempt_request",
+    params=("self", "request"),
+    records="each preempted request, the blocks it loses, and why (the allocation that failed)",
+    pins=PINS,
+    before=_preempt_before,
+    after=_preempt_after,
+)
+
+PROBES = [schedule, preempt]

@@ -1,0 +1,124 @@
+"""The one scenario model, shared by `trace`, `compare` and `repro`.
+
+A scenario is a TOML file: which model and pin, the engine settings, the
+requests (prompt text or token ids, sampling, the step at which each arrives)
+and optional expectations that `repro` checks. Example:
+
+    name = "preemption"
+    description = "KV pool too small for three long decodes"
+    [engine]
+    num_blocks = 8
+    max_model_len = 128
+    [[requests]]
+    id = "r0"
+    prompt = "the quick brown fox"
+    max_tokens = 70
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+
+from .errors import TourError
+
+
+class EngineSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    block_size: int = 32  # CPU attention needs a multiple of 32
+    num_blocks: int | None = None  # usable KV blocks (upstream adds one null block)
+    kv_cache_memory_bytes: int | None = None  # default 64 MiB when num_blocks is unset
+    max_num_batched_tokens: int | None = None  # token budget per step (small: chunked prefill)
+    max_num_seqs: int | None = None
+    enable_prefix_caching: bool = True
+    tensor_parallel_size: int = 1
+    max_model_len: int = 1024
+    seed: int = 0
+    dtype: str = "float32"
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.block_size <= 0 or self.block_size % 32:
+            raise ValueError(f"block_size must be a positive multiple of 32 on CPU, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError("num_blocks must be at least 1")
+        if self.tensor_parallel_size not in (1, 2):
+            raise ValueError("tensor_parallel_size must be 1 or 2 on this CPU build")
+        return self
+
+
+class RequestSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: str
+    prompt: str | None = None
+    token_ids: list[int] | None = None
+    max_tokens: int = 16
+    temperature: float = 0.0
+    seed: int | None = None
+    arrival_step: int = 0  # added before the engine's step with this index (0: before the first)
+    ignore_eos: bool = False
+
+    @model_validator(mode="after")
+    def _check(self):
+        if (self.prompt is None) == (self.token_ids is None):
+            raise ValueError(f"request {self.id}: give exactly one of prompt or token_ids")
+        if self.max_tokens < 1:
+            raise ValueError(f"request {self.id}: max_tokens must be at least 1")
+        if self.arrival_step < 0:
+            raise ValueError(f"request {self.id}: arrival_step must be >= 0")
+        return self
+
+
+class Scenario(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    description: str = ""
+    model: str = "tiny-qwen3"
+    pin: str | None = None  # None: the pin of the installed vLLM
+    engine: EngineSpec = EngineSpec()
+    requests: list[RequestSpec]
+    expect: dict[str, Any] | None = None  # free-form; `repro` defines the keys it checks
+
+    @model_validator(mode="after")
+    def _check(self):
+        if not self.requests:
+            raise ValueError("a scenario needs at least one request")
+        ids = [r.id for r in self.requests]
+        dup = sorted({i for i in ids if ids.count(i) > 1})
+        if dup:
+            raise ValueError(f"duplicate request ids: {', '.join(dup)}")
+        return self
+
+
+def _first_error(e: ValidationError) -> str:
+    err = e.errors()[0]
+    where = ".".join(str(x) for x in err["loc"])
+    msg = err["msg"].removeprefix("Value error, ")
+    return f"{where}: {msg}" if where else msg
+
+
+def scenario_from_dict(data: dict, source: str = "scenario") -> Scenario:
+    try:
+        return Scenario.model_validate(data)
+    except ValidationError as e:
+        raise TourError(f"invalid {source}: {_first_error(e)}") from None
+
+
+def load_scenario(path: Path | str) -> Scenario:
+    """Read a scenario TOML; every problem is one TourError line naming the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise TourError(f"scenario file {path} does not exist")
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as e:
+        raise TourError(f"malformed TOML in {path}: {e}") from None
+    except UnicodeDecodeError:
+        raise TourError(f"scenario file {path} is not UTF-8 text") from None
+    return scenario_from_dict(data, f"scenario {path}")

@@ -1,0 +1,111 @@
+"""`vllm-tour annotations check`: do the notes still hold on each pin?
+
+Per pin: every note resolved or orphaned (orphans name the nearest candidate).
+Between the first pin and each other one: drifted notes — resolved on both,
+but the anchored code differs once whitespace is ignored — so an author knows
+which notes to re-read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .annotations import Note
+from .locate import Placement, locate
+from .resolve import NotFound, SourceTree, Symbol, normalize
+
+
+@dataclass
+class PinReport:
+    pin: str
+    placements: list[Placement]
+
+    @property
+    def resolved(self) -> list[Placement]:
+        return [p for p in self.placements if p.ok]
+
+    @property
+    def orphaned(self) -> list[Placement]:
+        return [p for p in self.placements if not p.ok]
+
+    @property
+    def ambiguous(self) -> list[Placement]:
+        """Anchors matching several statements with no `occurrence` chosen."""
+        return [p for p in self.placements if p.ok and p.matches > 1 and p.note.occurrence is None]
+
+
+@dataclass
+class Drift:
+    note: Note
+    base: str
+    other: str
+    base_lines: str  # "path:start-end" on each pin
+    other_lines: str
+
+
+@dataclass
+class CheckReport:
+    pins: list[PinReport]
+    drift: dict[str, list[Drift]] = field(default_factory=dict)  # other pin -> drifted notes
+
+    @property
+    def orphan_count(self) -> int:
+        return sum(len(r.orphaned) for r in self.pins)
+
+    def to_json(self) -> dict:
+        return {
+            "pins": [
+                {
+                    "pin": r.pin,
+                    "resolved": len(r.resolved),
+                    "orphaned": len(r.orphaned),
+                    "drifted": len(self.drift.get(r.pin, [])),
+                    "orphans": [
+                        {"id": p.note.id, "symbol": p.note.symbol, "anchor": p.note.anchor,
+                         "problem": p.problem, "nearest": p.suggestions}
+                        for p in r.orphaned
+                    ],
+                    "drift": [{"id": d.note.id, "symbol": d.note.symbol, "anchor": d.note.anchor,
+                               "base": d.base_lines, "here": d.other_lines} for d in self.drift.get(r.pin, [])],
+                }
+                for r in self.pins
+            ]
+        }
+
+
+def check_pin(pin: str, tree: SourceTree, notes: list[Note]) -> PinReport:
+    symbols: dict[str, Symbol | NotFound] = {}
+    out = []
+    for n in notes:
+        if n.symbol not in symbols:
+            try:
+                symbols[n.symbol] = tree.resolve(n.symbol)
+            except NotFound as e:
+                symbols[n.symbol] = e
+        s = symbols[n.symbol]
+        if isinstance(s, NotFound):
+            out.append(Placement(n, None, None, problem=s.why, suggestions=s.suggestions))
+        else:
+            out.append(locate(n, tree, s))
+    return PinReport(pin, out)
+
+
+def _where(p: Placement, tree: SourceTree) -> str:
+    return f"{p.symbol.path.relative_to(tree.root.parent)}:{p.span.start}-{p.span.end}"
+
+
+def drift(base: PinReport, base_tree: SourceTree, other: PinReport, other_tree: SourceTree) -> list[Drift]:
+    out = []
+    for a, b in zip(base.placements, other.placements):
+        if a.ok and b.ok and normalize(a.text) != normalize(b.text):
+            out.append(Drift(a.note, base.pin, other.pin, _where(a, base_tree), _where(b, other_tree)))
+    return out
+
+
+def check(trees: dict[str, SourceTree], notes: list[Note]) -> CheckReport:
+    reports = [check_pin(pin, tree, notes) for pin, tree in trees.items()]
+    rep = CheckReport(reports)
+    base = reports[0]
+    for r in reports[1:]:
+        rep.drift[r.pin] = drift(base, trees[base.pin], r, trees[r.pin])
+    return rep

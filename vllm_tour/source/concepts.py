@@ -1,0 +1,26 @@
+"""Trace concepts: what a learner sees in a trace, and where to read the code behind it.
+
+Notes tag themselves with these ids; the site's index lists, per concept, the
+trace field that shows it and the notes on the code that does it. Other tools
+(`show`, `export`) can link to `concept_href(id)` inside a built site.
+"""
+
+from __future__ import annotations
+
+# id -> (trace field that shows it, title en, title zh)
+CONCEPTS: dict[str, tuple[str, str, str]] = {
+    "admission": ("scheduler.scheduled[kind=new]", "Request admission (waiting → running)", "请求准入（waiting → running）"),
+    "chunked-prefill": ("scheduler.scheduled[is_prefill, partial]", "Chunked prefill", "分块预填充（chunked prefill）"),
+    "preemption": ("scheduler.preempted", "Preemption and recompute", "抢占与重算"),
+    "prefix-hit": ("kv.prefix_hits", "Prefix-cache hit", "前缀缓存命中"),
+    "eviction": ("kv.evicted", "Cached-block eviction", "缓存块驱逐"),
+    "block-table": ("kv.block_tables / attention.block_table", "Block table", "块表（block table）"),
+    "slot-mapping": ("runner.slot_mapping", "Slot mapping", "槽位映射（slot mapping）"),
+    "sampling": ("runner.sampled_token_ids", "Sampling", "采样"),
+    "tp-fanout": ("proc.rank", "Tensor-parallel worker fan-out", "张量并行的 worker 扇出"),
+}
+
+
+def concept_href(concept: str) -> str:
+    """Where a concept lives in a site built by `vllm-tour site` (relative to its root)."""
+    return f"index.html#concept-{concept}"

@@ -1,0 +1,263 @@
+"""`vllm-tour site`: static HTML of the annotated request path. No server: open index.html.
+
+index.html follows the request journey (subsystems in `order`), then maps trace
+concepts (preemption, prefix hit, ...) to the notes on the code that does them.
+One page per annotated symbol: code on the left, notes beside the lines they
+anchor on the right. Both languages are in every page; a switch (remembered in
+localStorage and carried in links as ?lang=) shows one.
+"""
+
+from __future__ import annotations
+
+import html
+import shutil
+from pathlib import Path
+
+from markdown_it import MarkdownIt
+from pygments import highlight
+from pygments.formatters import HtmlFormatter
+from pygments.lexers import PythonLexer
+
+from .annotations import LANGS, Subsystem, all_notes
+from .concepts import CONCEPTS
+from .locate import Placement, locate
+from .resolve import NotFound, SourceTree
+
+_MD = MarkdownIt("commonmark", {"html": False})
+_UI = {
+    "en": {"journey": "The request journey", "concepts": "From a trace to the code", "notes": "notes",
+           "field": "trace field", "code": "code", "back": "← index", "orphan": "does not resolve on this pin",
+           "whole": "on the whole symbol", "probes": "probes", "see": "see"},
+    "zh": {"journey": "请求的旅程", "concepts": "从 trace 到代码", "notes": "条注解", "field": "trace 字段",
+           "code": "代码", "back": "← 目录", "orphan": "在此 pin 上无法定位", "whole": "针对整个符号",
+           "probes": "探针", "see": "参见"},
+}
+
+_CSS = """
+:root { --bg:#fdfdfb; --fg:#1d1d1f; --muted:#6b6b70; --hl:#fff3c4; --card:#ffffff; --line:#e4e4e0; --acc:#b04a00; }
+* { box-sizing: border-box; }
+body { margin:0; font: 15px/1.55 system-ui, -apple-system, "Segoe UI", "Noto Sans CJK SC", "PingFang SC", sans-serif;
+       background:var(--bg); color:var(--fg); }
+header { position:sticky; top:0; z-index:2; background:#23201c; color:#f5f1ea; padding:.6rem 1.2rem;
+         display:flex; gap:1rem; align-items:center; flex-wrap:wrap; }
+header a { color:#ffcf8a; } header .pin { color:#bdb6aa; font-size:.85rem; }
+header h1 { font-size:1.05rem; margin:0; font-family: ui-monospace, Menlo, Consolas, monospace; word-break:break-all; }
+.switch { margin-left:auto; display:flex; gap:.3rem; }
+.switch button { border:1px solid #6d655a; background:transparent; color:#f5f1ea; padding:.2rem .7rem; border-radius:4px; cursor:pointer; }
+.switch button[aria-pressed=true] { background:#ffcf8a; color:#23201c; }
+main { padding: 1rem 1.2rem 4rem; max-width: 1500px; margin: 0 auto; }
+html[data-lang=en] [lang=zh].i18n, html[data-lang=zh] [lang=en].i18n { display:none; }
+.row { display:grid; grid-template-columns: minmax(0, 1.35fr) minmax(0, 1fr); gap: 1rem; border-top:1px dashed var(--line); }
+.row.plain { border-top: none; }
+pre.code { margin:0; padding:.3rem 0; overflow-x:auto; font: 12.5px/1.5 ui-monospace, Menlo, Consolas, monospace; }
+.line { display:block; white-space:pre; padding-right:.5rem; }
+.line.hl { background: var(--hl); box-shadow: inset 3px 0 0 var(--acc); }
+.ln { display:inline-block; width:3.2em; color:#a4a4a0; text-align:right; margin-right:.8em; user-select:none; }
+.notes { padding:.3rem 0; }
+.note { background:var(--card); border:1px solid var(--line); border-left:4px solid var(--acc); border-radius:6px;
+        padding:.5rem .8rem; margin:.3rem 0 .7rem; }
+.note:target { outline: 2px solid var(--acc); }
+.note.orphan { border-left-color:#c00; }
+.note .head { font-size:.78rem; color:var(--muted); font-family: ui-monospace, Menlo, monospace; }
+.note .body p { margin:.35rem 0; }
+.note code, li code { background:#f1efe8; padding:0 .25em; border-radius:3px; font-size:.9em; }
+.tags { font-size:.8rem; color:var(--muted); margin-top:.3rem; }
+.tags a { margin-right:.5em; }
+.sub { margin: 1.4rem 0; padding: .8rem 1rem; background:var(--card); border:1px solid var(--line); border-radius:8px; }
+.sub h3 { margin:.1rem 0 .4rem; } .sub ul { margin:.3rem 0; }
+.step { display:inline-block; min-width:1.8em; color:var(--acc); font-weight:700; }
+table.concepts { border-collapse: collapse; width:100%; }
+table.concepts td, table.concepts th { border-bottom:1px solid var(--line); padding:.4rem .5rem; text-align:left; vertical-align:top; }
+table.concepts tr:target { background: var(--hl); }
+.muted { color: var(--muted); }
+"""
+
+_JS = """
+(function () {
+  var params = new URLSearchParams(location.search);
+  var lang = params.get('lang');
+  try { lang = lang || localStorage.getItem('vllm-tour-lang'); } catch (e) {}
+  if (lang !== 'zh') lang = 'en';
+  function apply(l) {
+    document.documentElement.dataset.lang = l;
+    document.documentElement.lang = l === 'zh' ? 'zh-CN' : 'en';
+    try { localStorage.setItem('vllm-tour-lang', l); } catch (e) {}
+    document.querySelectorAll('.switch button').forEach(function (b) {
+      b.setAttribute('aria-pressed', String(b.dataset.lang === l));
+    });
+    // file:// pages may not share localStorage: carry the language in links
+    document.querySelectorAll('a.internal').forEach(function (a) {
+      var href = a.getAttribute('href'), hash = '';
+      var i = href.indexOf('#'); if (i >= 0) { hash = href.slice(i); href = href.slice(0, i); }
+      href = href.split('?')[0];
+      a.setAttribute('href', href + '?lang=' + l + hash);
+    });
+  }
+  document.addEventListener('DOMContentLoaded', function () {
+    apply(lang);
+    document.querySelectorAll('.switch button').forEach(function (b) {
+      b.addEventListener('click', function () { apply(b.dataset.lang); });
+    });
+  });
+  document.documentElement.dataset.lang = lang;
+})();
+"""
+
+
+def _e(s: str) -> str:
+    return html.escape(s, quote=True)
+
+
+def page_name(qualname: str) -> str:
+    return f"{qualname}.html"
+
+
+def _both(texts: dict[str, str], tag: str = "span", md: bool = False, cls: str = "") -> str:
+    out = []
+    for lang in LANGS:
+        body = _MD.render(texts[lang]) if md else _e(texts[lang])
+        out.append(f'<{tag} class="i18n {cls}" lang="{lang}">{body}</{tag}>')
+    return "".join(out)
+
+
+def _ui(key: str, tag: str = "span") -> str:
+    return _both({lang: _UI[lang][key] for lang in LANGS}, tag)
+
+
+def _page(title: str, head: str, body: str, root: str) -> str:
+    switch = ('<div class="switch"><button type="button" data-lang="en" id="lang-en">English</button>'
+              '<button type="button" data-lang="zh" id="lang-zh">中文</button></div>')
+    return (f'<!doctype html>\n<html lang="en" data-lang="en"><head><meta charset="utf-8">'
+            f'<meta name="viewport" content="width=device-width, initial-scale=1"><title>{_e(title)}</title>'
+            f'<link rel="stylesheet" href="{root}style.css"><link rel="stylesheet" href="{root}pygments.css">'
+            f'<script src="{root}site.js"></script></head><body>'
+            f'<header>{head}{switch}</header><main>{body}</main></body></html>\n')
+
+
+class _Links:
+    """Where a symbol or note id lives in the site (None: not annotated here)."""
+
+    def __init__(self, subs: list[Subsystem]):
+        self.symbols = {s for sub in subs for s in sub.symbols()}
+        self.notes = {n.id: n.symbol for n in all_notes(subs)}
+
+    def href(self, target: str, root: str) -> str | None:
+        if target in self.notes:
+            return f"{root}sym/{page_name(self.notes[target])}#note-{target}"
+        if target in self.symbols:
+            return f"{root}sym/{page_name(target)}"
+        return None
+
+    def link(self, target: str, root: str) -> str:
+        h = self.href(target, root)
+        short = ".".join(target.split(".")[-2:])  # Class.method reads better than the full path
+        label = f"<code>{_e(short)}</code>"
+        return f'<a class="internal" href="{_e(h)}" title="{_e(target)}">{label}</a>' if h else f"<code>{_e(target)}</code>"
+
+
+def _note_card(i: int, p: Placement, links: _Links) -> str:
+    n = p.note
+    where = f"L{p.span.start}–{p.span.end}" if p.ok and n.anchor else _ui("whole")
+    head = f"[{i}] {_e(n.id)} · {where}"
+    tags = []
+    if n.probes:
+        tags.append(_ui("probes") + ": " + ", ".join(f"<code>{_e(x)}</code>" for x in n.probes))
+    for c in n.concepts:
+        _, en, zh = CONCEPTS[c]
+        tags.append(f'<a class="internal concept" href="../index.html#concept-{c}">'
+                    + _both({"en": en, "zh": zh}) + "</a>")
+    if n.see:
+        tags.append(_ui("see") + ": " + " ".join(links.link(t, "../") for t in n.see))
+    orphan = f'<div class="muted">⚠ {_ui("orphan")}: {_e(p.problem)}</div>' if not p.ok else ""
+    return (f'<div class="note{" orphan" if not p.ok else ""}" id="note-{_e(n.id)}"><div class="head">{head}</div>'
+            f'{orphan}{_both({"en": n.en, "zh": n.zh}, "div", md=True, cls="body")}'
+            f'<div class="tags">{" · ".join(tags)}</div></div>')
+
+
+def _code_lines(code: str, start: int, hl: set[int]) -> list[str]:
+    out = highlight(code, PythonLexer(), HtmlFormatter(nowrap=True)).split("\n")
+    lines = []
+    for k, src in enumerate(out[: code.count("\n") + (0 if code.endswith("\n") else 1)]):
+        ln = start + k
+        cls = "line hl" if ln in hl else "line"
+        lines.append(f'<span class="{cls}" id="L{ln}"><span class="ln">{ln}</span>{src}</span>')
+    return lines
+
+
+def symbol_page(tree: SourceTree, qualname: str, sub: Subsystem, pin: str, links: _Links,
+                all_subs: list[Subsystem]) -> str:
+    notes = [n for n in all_notes(all_subs) if n.symbol == qualname]
+    try:
+        symbol = tree.resolve(qualname)
+    except NotFound as e:
+        cards = "".join(_note_card(i, Placement(n, None, None, problem=e.why), links) for i, n in enumerate(notes, 1))
+        return _page(qualname, f'<a class="internal" href="../index.html">{_ui("back")}</a><h1>{_e(qualname)}</h1>',
+                     f'<div class="notes">{cards}</div>', "../")
+    places = [locate(n, tree, symbol) for n in notes]
+    numbered = list(enumerate(places, 1))
+    inline = [(i, p) for i, p in numbered if p.ok and p.note.anchor]
+    top = [(i, p) for i, p in numbered if not (p.ok and p.note.anchor)]
+    hl = {ln for _, p in inline for ln in range(p.span.start, p.span.end + 1)}
+    lines = _code_lines(symbol.code, symbol.span.start, hl)
+    # Rows start where a note's anchor starts; a row's notes sit beside its first lines.
+    starts = sorted({symbol.span.start} | {p.span.start for _, p in inline})
+    rows = []
+    for k, s in enumerate(starts):
+        e = starts[k + 1] - 1 if k + 1 < len(starts) else symbol.span.end
+        cards = [(i, p) for i, p in inline if p.span.start == s]
+        if s == symbol.span.start:
+            cards = top + cards
+        code = "".join(lines[s - symbol.span.start : e - symbol.span.start + 1])
+        notes_html = "".join(_note_card(i, p, links) for i, p in cards)
+        rows.append(f'<div class="row{"" if cards else " plain"}"><pre class="code">{code}</pre>'
+                    f'<div class="notes">{notes_html}</div></div>')
+    rel = symbol.path.relative_to(tree.root.parent).as_posix()
+    head = (f'<a class="internal" href="../index.html">{_ui("back")}</a><h1>{_e(qualname)}</h1>'
+            f'<span class="pin">{_e(rel)}:{symbol.span.start}-{symbol.span.end} · pin {_e(pin)} · '
+            f'{_both(sub.title)}</span>')
+    return _page(qualname, head, "".join(rows), "../")
+
+
+def index_page(subs: list[Subsystem], pin: str, links: _Links) -> str:
+    parts = [f'<h2>{_ui("journey")}</h2>']
+    for k, sub in enumerate(subs, 1):
+        items = []
+        for q in sub.symbols():
+            n = sum(1 for x in sub.notes if x.symbol == q)
+            items.append(f'<li><a class="internal sym" href="sym/{_e(page_name(q))}"><code>{_e(q)}</code></a> '
+                         f'<span class="muted">{n} {_ui("notes")}</span></li>')
+        parts.append(f'<section class="sub" id="sub-{_e(sub.name)}"><h3><span class="step">{k}</span>'
+                     f'{_both(sub.title)}</h3>{_both(sub.intro, "div", md=True)}<ul>{"".join(items)}</ul></section>')
+    parts.append(f'<h2 id="concepts">{_ui("concepts")}</h2><table class="concepts"><tr><th></th>'
+                 f'<th>{_ui("field")}</th><th>{_ui("code")}</th></tr>')
+    notes = all_notes(subs)
+    for c, (field, en, zh) in CONCEPTS.items():
+        refs = [f'<a class="internal" href="{_e(links.href(n.id, ""))}"><code>{_e(n.id)}</code></a>'
+                for n in notes if c in n.concepts]
+        parts.append(f'<tr id="concept-{c}"><td>{_both({"en": en, "zh": zh})}</td><td><code>{_e(field)}</code></td>'
+                     f'<td>{" ".join(refs) or "—"}</td></tr>')
+    parts.append("</table>")
+    head = (f'<h1>vllm-tour</h1><span class="pin">pin {_e(pin)} · {len(notes)} '
+            f'{_ui("notes")}</span>')
+    return _page(f"vllm-tour — pin {pin}", head, "".join(parts), "")
+
+
+def write_site(out: Path, tree: SourceTree, subs: list[Subsystem], pin: str) -> Path:
+    out = Path(out)
+    if (out / "sym").exists():
+        shutil.rmtree(out / "sym")  # pages of symbols no longer annotated must not linger
+    (out / "sym").mkdir(parents=True, exist_ok=True)
+    links = _Links(subs)
+    (out / "style.css").write_text(_CSS, encoding="utf-8")
+    (out / "pygments.css").write_text(HtmlFormatter(style="friendly").get_style_defs(".code"), encoding="utf-8")
+    (out / "site.js").write_text(_JS, encoding="utf-8")
+    done = set()
+    for sub in subs:
+        for q in sub.symbols():
+            if q in done:
+                continue
+            done.add(q)
+            (out / "sym" / page_name(q)).write_text(symbol_page(tree, q, sub, pin, links, subs), encoding="utf-8")
+    index = out / "index.html"
+    index.write_text(index_page(subs, pin, links), encoding="utf-8")
+    return index

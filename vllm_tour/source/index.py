@@ -1,0 +1,78 @@
+"""Every qualified name in a source tree, for "did you mean" suggestions.
+
+Built with the stdlib `ast` (ten times faster than libcst; 2.6k files in a few
+seconds) following the same scope rules as `resolve`, and cached per source
+digest so a second run is instant.
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import json
+from pathlib import Path
+
+from ..paths import cache_dir
+
+_TRANSPARENT = (ast.If, ast.Try, ast.With, ast.For, ast.While) + ((ast.TryStar,) if hasattr(ast, "TryStar") else ())
+
+
+def _members(body: list[ast.stmt], prefix: str, out: list[str]) -> None:
+    for n in body:
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            name = f"{prefix}.{n.name}"
+            out.append(name)
+            _members(n.body, name, out)
+        elif isinstance(n, _TRANSPARENT):
+            for attr in ("body", "orelse", "finalbody"):
+                _members(getattr(n, attr, []), prefix, out)
+            for h in getattr(n, "handlers", []):
+                _members(h.body, prefix, out)
+
+
+def _scan(root: Path) -> list[str]:
+    names: list[str] = []
+    for f in sorted(root.rglob("*.py")):
+        if "__pycache__" in f.parts:
+            continue
+        rel = f.relative_to(root.parent).with_suffix("").parts
+        mod = ".".join(rel[:-1] if rel[-1] == "__init__" else rel)
+        names.append(mod)
+        try:
+            tree = ast.parse(f.read_bytes())
+        except (SyntaxError, ValueError):
+            continue  # a file Python cannot parse has no members to suggest
+        _members(tree.body, mod, names)
+    return names
+
+
+def qualnames(root: Path) -> list[str]:
+    from ..pins import source_digest
+
+    digest, _ = source_digest(root)
+    cached = cache_dir() / "index" / f"{digest.split(':')[-1][:32]}.json"
+    if cached.exists():
+        try:
+            return json.loads(cached.read_text())
+        except ValueError:
+            pass  # a torn write: rebuild
+    names = _scan(root)
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cached.with_suffix(".tmp")
+    tmp.write_text(json.dumps(names))
+    tmp.replace(cached)
+    return names
+
+
+def nearest(qualname: str, names: list[str], n: int = 3) -> list[str]:
+    """Closest names: same last component first (a moved symbol), then by
+    similarity of the whole name (a renamed one)."""
+    last = qualname.rsplit(".", 1)[-1]
+    moved = [x for x in names if x.rsplit(".", 1)[-1] == last and x != qualname]
+    moved.sort(key=lambda x: -difflib.SequenceMatcher(None, qualname, x).ratio())
+    close = difflib.get_close_matches(qualname, names, n=n + len(moved), cutoff=0.6)
+    out: list[str] = []
+    for x in moved + close:
+        if x not in out and x != qualname:
+            out.append(x)
+    return out[:n]

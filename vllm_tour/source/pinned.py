@@ -1,0 +1,32 @@
+"""The source tree of a pin: installed, cached, or fetched now (once) from its wheel."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from .. import pins
+from ..errors import TourError
+from .resolve import SourceTree
+
+_TREES: dict[str, SourceTree] = {}
+
+
+def tree_for_pin(tag: str | None = None, status: Callable[[str], None] | None = None) -> SourceTree:
+    """A SourceTree for `tag` (default: the pin of the installed vLLM).
+
+    A pin that is neither installed nor cached is fetched on demand: a fresh CI
+    machine runs `annotations check --pin v0.21.0` without a manual step.
+    """
+    tag = tag or pins.active_pin_tag()
+    if tag in _TREES:
+        return _TREES[tag]
+    pin = pins.load_pin(tag)  # unknown pin: TourError naming the known ones
+    try:
+        root = pins.pin_sources(tag)
+    except TourError:
+        dist = pin.distributions.get(pin.platform) or next(iter(pin.distributions.values()))
+        if status:
+            status(f"fetching sources of pin {tag} ({dist.dist}=={dist.version} wheel, once; cached afterwards)…")
+        root = pins.fetch_sources(tag)
+    _TREES[tag] = SourceTree(root, label=f"pin {tag}")
+    return _TREES[tag]

@@ -1,0 +1,115 @@
+"""What `vllm-tour trace/show/export` do, behind the thin CLI: build the scenario, run, summarize."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+from ..errors import TourError
+from ..scenario import Scenario, load_scenario, scenario_from_dict
+
+
+def build_scenario(
+    scenario_file: Path | None,
+    prompts: list[str],
+    requests_file: Path | None,
+    model: str | None,
+    pin: str | None,
+    max_tokens: int | None,
+    temperature: float | None,
+    seed: int | None,
+    ignore_eos: bool,
+    engine: dict,
+) -> Scenario:
+    """A scenario from a file, from --request prompts, or a file overridden by flags."""
+    prompts = list(prompts)
+    if requests_file is not None:
+        if not requests_file.is_file():
+            raise TourError(f"requests file {requests_file} does not exist")
+        prompts += [line for line in requests_file.read_text(encoding="utf-8").splitlines() if line.strip()]
+        if not prompts:
+            raise TourError(f"requests file {requests_file} has no prompts (one per line)")
+    if scenario_file is None and not prompts:
+        raise TourError("nothing to run: give --request TEXT (repeatable), --requests-file FILE or --scenario FILE.toml")
+    if scenario_file is not None:
+        data = load_scenario(scenario_file).model_dump(exclude_none=True)
+    else:
+        data = {"name": _slug(prompts[0]), "requests": []}
+    if prompts:  # prompts from the command line replace the scenario's requests
+        data["requests"] = [{"id": f"r{i}", "prompt": p} for i, p in enumerate(prompts)]
+    for r in data["requests"]:
+        if max_tokens is not None:
+            r["max_tokens"] = max_tokens
+        if temperature is not None:
+            r["temperature"] = temperature
+        if seed is not None:
+            r["seed"] = seed
+        if ignore_eos:
+            r["ignore_eos"] = True
+    if model:
+        data["model"] = model
+    if pin:
+        data["pin"] = pin
+    data["engine"] = {**data.get("engine", {}), **{k: v for k, v in engine.items() if v is not None}}
+    return scenario_from_dict(data, "trace options")
+
+
+def _slug(text: str) -> str:
+    words = "".join(c if c.isalnum() else " " for c in text).split()
+    return "-".join(words[:4]).lower() or "prompt"
+
+
+def trace(scenario: Scenario, out: Path | None, capture: list[str], capture_steps: str, multiprocess: bool, console: Console) -> Path:
+    from .reader import load_run
+    from .run import run_upstream
+
+    started = time.time()
+    total = len(scenario.requests)
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} requests"), TimeElapsedColumn(), console=console, transient=True) as bar:
+        task = bar.add_task(f"starting upstream vLLM ({scenario.model})…", total=total)
+
+        def progress(step: int, done: int, total: int) -> None:
+            bar.update(task, completed=done, description=f"step {step}")
+
+        run_dir = run_upstream(scenario, out, capture, progress, multiprocess=multiprocess, capture_steps=capture_steps)
+    run = load_run(run_dir)
+    summarize(run, time.time() - started, console)
+    return run_dir
+
+
+def summarize(run, elapsed: float, console: Console) -> None:
+    steps = run.steps
+    preempt = [(s.index, p.req_id) for s in steps if s.scheduler for p in s.scheduler.preempted]
+    hits = [(s.index, h.req_id, h.num_hit_tokens) for s in steps if s.kv for h in s.kv.prefix_hits]
+    gen = sum(len(o.token_ids) for o in run.outputs.requests) if run.outputs else 0
+    peak = max((s.kv.usage for s in steps if s.kv), default=0.0)
+    batch = max((len(s.scheduler.scheduled) for s in steps if s.scheduler), default=0)
+    console.print(f"[bold]traced[/] {len(run.meta.requests)} request(s), {len(steps)} steps, {gen} tokens generated in {elapsed:.1f}s (pin {run.meta.pin}, {run.meta.model})")
+    console.print(f"  largest batch {batch} · peak KV usage {peak:.1%} · preemptions {len(preempt)} · prefix-cache hits {len(hits)}")
+    for i, rid in preempt[:3]:
+        console.print(f"  step {i}: preempted {rid}")
+    for i, rid, n in hits[:3]:
+        console.print(f"  step {i}: {rid} reused {n} cached tokens")
+    if run.outputs:
+        for o in run.outputs.requests[:4]:
+            console.print(f"  {o.req_id}: {len(o.token_ids)} tokens → {o.text[:50]!r}")
+    if run.errors:
+        console.print(f"  [bold red]{len(run.errors)} probe error(s)[/]: {run.errors[0].probe}: {run.errors[0].error}")
+    for w in run.warnings:
+        console.print(f"  [yellow]warning:[/] {w}")
+    console.print(f"  run dir: {run.path}")
+    console.print(f"  next: vllm-tour show {run.path}   ·   vllm-tour export {run.path} --format perfetto")
+
+
+def quiet_vllm(verbose: bool) -> None:
+    """vLLM logs INFO lines from every process; the tour's own display is enough by default."""
+    if not verbose:
+        import warnings
+
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        warnings.filterwarnings("ignore", category=DeprecationWarning)

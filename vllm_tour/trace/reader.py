@@ -1,0 +1,156 @@
+"""Read a run directory back: merge every process's JSON Lines into one `Step` per engine step.
+
+A process killed mid-write leaves at most one partial line at the end of its
+file: that line is skipped with a warning. A run that did not finish (no
+outputs.json, meta status "running") still loads — its steps are whatever was
+flushed.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pydantic import TypeAdapter, ValidationError
+
+from ..errors import TourError
+from ..paths import GOLDEN_DIR, RUNS_DIR
+from .schema import (
+    SCHEMA_VERSION,
+    AttentionRecord,
+    CaptureRecord,
+    KVRecord,
+    Outputs,
+    ProbeErrorRecord,
+    Record,
+    RunMeta,
+    RunnerRecord,
+    SchedulerRecord,
+)
+
+_RECORD = TypeAdapter(Record)
+
+
+@dataclass
+class Step:
+    index: int
+    scheduler: SchedulerRecord | None = None
+    kv: KVRecord | None = None
+    runner: dict[int, RunnerRecord] = field(default_factory=dict)  # by TP rank
+    attention: dict[int, AttentionRecord] = field(default_factory=dict)  # by TP rank
+    captures: list[CaptureRecord] = field(default_factory=list)
+    errors: list[ProbeErrorRecord] = field(default_factory=list)
+
+
+@dataclass
+class Run:
+    path: Path
+    meta: RunMeta
+    outputs: Outputs | None
+    steps: list[Step]
+    errors: list[ProbeErrorRecord]
+    warnings: list[str]
+
+    @property
+    def finished(self) -> bool:
+        return self.meta.status == "ok" and self.outputs is not None
+
+    def step(self, index: int) -> Step:
+        for s in self.steps:
+            if s.index == index:
+                return s
+        raise TourError(f"{self.path.name} has no step {index} (steps {self.steps[0].index}..{self.steps[-1].index})" if self.steps else f"{self.path.name} has no steps")
+
+    def request_ids(self) -> list[str]:
+        return [r.req_id for r in self.meta.requests]
+
+
+def find_run(name: str | Path) -> Path:
+    """A run directory from a path, a name under traces/runs or traces/golden, or "latest"."""
+    p = Path(name)
+    if str(name) == "latest":
+        runs = sorted((d for d in RUNS_DIR.glob("*") if (d / "meta.json").exists()), key=lambda d: d.stat().st_mtime)
+        if not runs:
+            raise TourError(f"no runs in {RUNS_DIR} yet: record one with `vllm-tour trace --request hello`")
+        return runs[-1]
+    for cand in (p, RUNS_DIR / p, GOLDEN_DIR / p):
+        if cand.is_dir():
+            return cand
+    raise TourError(f"no run directory {name} (looked in ., {RUNS_DIR}, {GOLDEN_DIR})")
+
+
+def _read_json(path: Path, what: str):
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise TourError(f"{path} is missing: not a vllm-tour run directory ({what})") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise TourError(f"cannot read {path}: {e}") from None
+
+
+def read_records(path: Path, warnings: list[str]) -> list:
+    try:
+        lines = path.read_text(encoding="utf-8", errors="replace").split("\n")
+    except OSError as e:
+        raise TourError(f"cannot read {path}: {e}") from None
+    if lines and lines[-1] == "":
+        lines.pop()
+    records = []
+    for i, line in enumerate(lines, 1):
+        try:
+            records.append(_RECORD.validate_json(line))
+        except ValidationError as e:
+            if i == len(lines):  # the writer was killed mid-line
+                warnings.append(f"{path.name}: skipped a truncated last line ({i})")
+                break
+            raise TourError(f"{path}:{i}: not a trace record ({e.errors()[0]['msg']})") from None
+    return records
+
+
+def load_run(path: str | Path) -> Run:
+    """Load a run directory (or a name: see find_run). Bad or missing files are TourErrors."""
+    path = find_run(path)
+    warnings: list[str] = []
+    meta_data = _read_json(path / "meta.json", "meta.json")
+    try:
+        meta = RunMeta.model_validate(meta_data)
+    except ValidationError as e:
+        raise TourError(f"{path / 'meta.json'}: invalid ({e.errors()[0]['loc']}: {e.errors()[0]['msg']})") from None
+    if meta.schema_version > SCHEMA_VERSION:
+        raise TourError(f"{path} was written with trace schema {meta.schema_version}; this vllm-tour reads up to {SCHEMA_VERSION}")
+    outputs = None
+    if (path / "outputs.json").exists():
+        try:
+            outputs = Outputs.model_validate(_read_json(path / "outputs.json", "outputs.json"))
+        except ValidationError as e:
+            raise TourError(f"{path / 'outputs.json'}: invalid ({e.errors()[0]['msg']})") from None
+    elif meta.status == "running":
+        warnings.append("the run did not finish (killed or still running): showing the steps it flushed")
+    elif meta.status == "failed":
+        warnings.append(f"the run failed: {meta.error}")
+
+    steps: dict[int, Step] = {}
+    errors: list[ProbeErrorRecord] = []
+    for f in sorted(path.glob("records.*.jsonl")):
+        for rec in read_records(f, warnings):
+            s = steps.setdefault(rec.step, Step(rec.step))
+            if isinstance(rec, SchedulerRecord):
+                s.scheduler = rec
+            elif isinstance(rec, KVRecord):
+                s.kv = rec
+            elif isinstance(rec, RunnerRecord):
+                s.runner[rec.proc.rank] = rec
+            elif isinstance(rec, AttentionRecord):
+                s.attention[rec.proc.rank] = rec
+            elif isinstance(rec, CaptureRecord):
+                s.captures.append(rec)
+            elif isinstance(rec, ProbeErrorRecord):
+                s.errors.append(rec)
+                errors.append(rec)
+    if meta.engine_args.get("probes", True) and not steps and meta.status == "ok":
+        warnings.append("no trace records: the probes did not record (was the vllm-tour plugin installed?)")
+    ordered = [steps[k] for k in sorted(steps)]
+    # Step 0 only holds probe errors raised before the first schedule(): keep them, but not as a step.
+    ordered = [s for s in ordered if s.index > 0 or s.scheduler or s.runner]
+    return Run(path=path, meta=meta, outputs=outputs, steps=ordered, errors=errors, warnings=warnings)

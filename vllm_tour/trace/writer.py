@@ -1,0 +1,140 @@
+"""The per-process trace writer: one JSON Lines file per process, flushed per record.
+
+Every vLLM process of a traced run (front end, EngineCore, each worker) gets one
+`Recorder`. It is switched on by `activate()` — from the environment in child
+processes (the plugin), directly by `run_upstream` in-process — and holds the
+step counters and the small per-step scratch state the probes share.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+from .schema import Proc, ProbeErrorRecord
+
+RUN_DIR_ENV = "VLLM_TOUR_RUN_DIR"
+CAPTURE_ENV = "VLLM_TOUR_CAPTURE"  # comma-separated capture names
+CAPTURE_STEPS_ENV = "VLLM_TOUR_CAPTURE_STEPS"  # "1-3,7"; empty: every step
+FAULT_ENV = "VLLM_TOUR_FAULT"  # a probe name: that probe raises (tests)
+
+# Upstream's input processor makes request ids unique by appending
+# "-<8 hex chars>"; traces use the ids the user gave.
+_SUFFIX = re.compile(r"-[0-9a-f]{8}$")
+
+
+def user_req_id(internal_id: str) -> str:
+    return _SUFFIX.sub("", internal_id)
+
+
+def parse_steps(spec: str) -> set[int] | None:
+    """"1-3,7" -> {1,2,3,7}; "" -> None (every step)."""
+    spec = spec.strip()
+    if not spec:
+        return None
+    steps: set[int] = set()
+    for part in spec.split(","):
+        lo, _, hi = part.strip().partition("-")
+        steps.update(range(int(lo), int(hi or lo) + 1))
+    return steps
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.active = False
+        self.run_dir: Path | None = None
+        self.capture: set[str] = set()
+        self.capture_steps: set[int] | None = None
+        self.fault: str | None = None
+        self._file = None
+        self.reset_counters()
+
+    def reset_counters(self) -> None:
+        self.sched_step = 0  # Scheduler.schedule calls
+        self.worker_step = 0  # model-runner execute_model calls
+        self.in_execute = False
+        self.rank = 0
+        self.kv_step = None  # scratch for the KV record of the step being scheduled
+        self.kv_pending_freed: list[int] = []
+        self.kv_pending_evicted: list[int] = []
+        self.last_alloc_failure: dict | None = None
+        self.preempted: list = []
+        self.runner_pending = None
+        self.layers_info = None
+        self.captures: dict[str, object] = {}
+        self.capture_meta: dict[str, dict] = {}
+
+    def activate(self, run_dir: Path | str, capture: str = "", capture_steps: str = "", fault: str | None = None) -> None:
+        self.close()
+        self.run_dir = Path(run_dir)
+        self.capture = {c.strip() for c in capture.split(",") if c.strip()}
+        self.capture_steps = parse_steps(capture_steps)
+        self.fault = fault or None
+        self.reset_counters()
+        self.active = True
+
+    def activate_from_env(self) -> bool:
+        run_dir = os.environ.get(RUN_DIR_ENV)
+        if not run_dir:
+            return False
+        if self.active and self.run_dir == Path(run_dir):
+            return True
+        self.activate(run_dir, os.environ.get(CAPTURE_ENV, ""), os.environ.get(CAPTURE_STEPS_ENV, ""), os.environ.get(FAULT_ENV))
+        return True
+
+    def deactivate(self) -> None:
+        self.active = False
+        self.close()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def proc(self, role: str) -> Proc:
+        return Proc(role=role, pid=os.getpid(), rank=self.rank if role == "worker" else 0)
+
+    def write(self, record) -> None:
+        if self._file is None:
+            assert self.run_dir is not None
+            path = self.run_dir / f"records.{os.getpid()}.jsonl"
+            # Line-buffered append: each record is one complete line on disk as
+            # soon as it is written, so a killed run leaves a readable trace.
+            self._file = open(path, "a", buffering=1, encoding="utf-8")
+        self._file.write(record.model_dump_json(exclude_defaults=False) + "\n")
+
+    def probe_error(self, probe, error: Exception, tb: str) -> None:
+        try:
+            step = self.worker_step if probe.role == "worker" else self.sched_step
+            self.write(
+                ProbeErrorRecord(
+                    step=step,
+                    proc=self.proc(probe.role),
+                    probe=probe.name,
+                    target=probe.target,
+                    error=f"{type(error).__name__}: {error}",
+                    traceback=tb[-4000:],
+                )
+            )
+        except Exception:
+            pass  # a probe error we cannot even write must still not reach the engine
+
+    def should_capture(self, name: str, step: int) -> bool:
+        if not self.capture:
+            return False
+        base = name.split(".", 1)[0]
+        if base not in self.capture:
+            return False
+        return self.capture_steps is None or step in self.capture_steps
+
+
+RECORDER = Recorder()
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    """Write JSON so that readers see the old file or the new one, never half."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
