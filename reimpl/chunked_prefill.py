@@ -17,7 +17,7 @@ a long one is a prefill, and a prefill longer than the budget is *chunked*.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .kv_cache_manager import KVCacheManager
 from .request import FINISHED_LENGTH, FINISHED_STOPPED, PREEMPTED, RUNNING, WAITING, Request

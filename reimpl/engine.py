@@ -75,6 +75,7 @@ class Engine:
         # req_id -> tokens to use instead of sampling (compare forces upstream's
         # tokens for randomly sampled requests; see sampler.py)
         self.forced: dict[str, list[int]] = {}
+        self.current_step: StepResult | None = None
 
     # --- the loop ----------------------------------------------------------------
 
@@ -106,14 +107,14 @@ class Engine:
         t1 = time.time()
         records = [self._scheduler_record(out, t1, t1 - t0, waiting_before, running_before),
                    self._kv_record(out, freed, evicted)]
-        state = self.snapshot(out)
-        tensors: dict[str, torch.Tensor] = {}
+        res = StepResult(out, records, {}, self.snapshot(out))
+        self.current_step = res  # what is known of this step so far, should the model run fail
         sampled: dict[str, int] = {}
         if out.scheduled:
-            runner, sampled, tensors = self._execute(out, capture)
+            runner, sampled, res.tensors = self._execute(out, capture)
             records.append(runner)
         self.scheduler.update_from_output(out, sampled)
-        return StepResult(out, records, tensors, state)
+        return res
 
     def snapshot(self, out: SchedulerOutput) -> dict:
         """The scheduler's and pool's state right after schedule(): what --explain prints."""

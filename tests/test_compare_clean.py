@@ -1,6 +1,8 @@
 """The reimpl matches upstream exactly (tokens, decisions) and within tolerance (tensors) on every compare scenario."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 from typer.testing import CliRunner
@@ -8,6 +10,7 @@ from typer.testing import CliRunner
 from vllm_tour.cli import app
 from vllm_tour.compare import harness
 from vllm_tour.compare.pytest_plugin import assert_matches_upstream
+from vllm_tour.errors import TourError
 
 CMP = ["cmp_single", "cmp_concurrent", "cmp_shared_prefix", "cmp_preempt", "cmp_chunked",
        "cmp_arrivals", "cmp_mixed_max_tokens", "cmp_evict"]
@@ -54,13 +57,25 @@ def test_cli_all_scenarios_exit_0_and_json(tmp_path, upstream_run):
     assert {s["scenario"] for s in report["skipped"]} >= {"tp2"}  # TP=2: listed as skipped, with the reason
 
 
+def _code(result) -> int:
+    """Exit code as `vllm-tour` gives it: cli.main turns a TourError into one line + exit 2."""
+    return result.exception.exit_code if isinstance(result.exception, TourError) else result.exit_code
+
+
 def test_could_not_run_exits_2(tmp_path):
     runner = CliRunner()
     r = runner.invoke(app, ["compare", "reimpl.nope", "--scenario", "traces/scenarios/cmp_single.toml"])
-    assert r.exit_code == 2
+    assert _code(r) == 2 and "unknown module" in str(r.exception)
     r = runner.invoke(app, ["compare", "reimpl.paged_attn", "--scenario", str(tmp_path / "missing.toml")])
-    assert r.exit_code == 2
+    assert _code(r) == 2 and "does not exist" in str(r.exception)
     r = runner.invoke(app, ["compare", "reimpl.paged_attn", "--scenario", "traces/scenarios/tp2.toml"])
-    assert r.exit_code == 2
+    assert _code(r) == 2 and "tensor_parallel_size=2" in str(r.exception)
     r = runner.invoke(app, ["compare", "reimpl.paged_attn"])
-    assert r.exit_code == 2
+    assert _code(r) == 2
+
+
+def test_could_not_run_is_one_line_exit_2_from_the_real_command():
+    p = subprocess.run([sys.executable, "-m", "vllm_tour", "compare", "reimpl.nope", "--all-scenarios"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2
+    assert p.stderr.strip().splitlines() == ["error: unknown module 'reimpl.nope' (known: reimpl.chunked_prefill, reimpl.paged_attn)"]

@@ -1,5 +1,7 @@
 """`vllm-tour source` and `vllm-tour annotations check`, run as a user runs them."""
 
+import contextlib
+import io
 import json
 import os
 import re
@@ -9,7 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from rich.console import Console
+
 from vllm_tour.source.annotations import all_notes, load_all
+from vllm_tour.source.commands import run_check
 from vllm_tour.source.pinned import tree_for_pin
 
 CLI = [str(Path(sys.executable).parent / "vllm-tour")]
@@ -87,17 +92,26 @@ def test_content_is_bilingual_and_covers_the_journey():
             assert t in ids or t in symbols or tree_for_pin("v0.32.0").resolve(t), (n.id, t)
 
 
+def _check(pins: list[str], as_json: bool) -> tuple[int, str]:
+    # in-process, through the same function the CLI calls, so both pins' trees
+    # (parsed once, cached in tree_for_pin) serve the JSON and the table runs
+    buf = io.StringIO()
+    console = Console(file=buf, width=200, color_system=None)
+    with contextlib.redirect_stdout(buf):
+        code = run_check(console, pins, as_json)
+    return code, buf.getvalue()
+
+
 @pytest.mark.fetches_wheel  # runs in CI too: downloads vllm==0.21.0 once (cached), see pins/v0.21.0.toml
 def test_check_two_pins_reports_counts_orphans_and_drift():
     n = len(all_notes(load_all()))
-    r = run("annotations", "check", "--pin", "v0.32.0", "--pin", "v0.21.0", "--json")
-    assert r.returncode in (0, 1), r.stderr
-    rep = {p["pin"]: p for p in json.loads(r.stdout)["pins"]}
+    code, out = _check(["v0.32.0", "v0.21.0"], as_json=True)
+    rep = {p["pin"]: p for p in json.loads(out)["pins"]}
     new, old = rep["v0.32.0"], rep["v0.21.0"]
     # the notes are written for v0.32.0: all resolve there, none can drift against itself
     assert new["resolved"] == n and new["orphaned"] == 0 and new["drifted"] == 0
     assert old["resolved"] + old["orphaned"] == n
-    assert r.returncode == (1 if old["orphaned"] else 0)
+    assert code == (1 if old["orphaned"] else 0)
     # 0.21.0 is an older engine: most of the request path exists, but not all of it
     assert old["resolved"] > n // 2 and old["orphaned"] > 0 and 0 < old["drifted"] <= old["resolved"]
     for o in old["orphans"]:
@@ -105,11 +119,13 @@ def test_check_two_pins_reports_counts_orphans_and_drift():
     # the offline entrypoint moved into vllm.entrypoints.common.offline after 0.21.0
     moved = next(o for o in old["orphans"] if o["id"] == "entry-run-engine-loop")
     assert moved["nearest"][0] == "vllm.entrypoints.llm.LLM._run_engine"
+    # a drifted anchor names its lines on both pins
+    assert all(d["base"].startswith("vllm/") and d["here"].startswith("vllm/") for d in old["drift"])
 
-    table = run("annotations", "check", "--pin", "v0.32.0", "--pin", "v0.21.0")
-    assert table.returncode == r.returncode
-    assert re.search(rf"v0\.21\.0\s*│\s*{old['resolved']}\s*│\s*{old['orphaned']}\s*│\s*{old['drifted']}", table.stdout)
-    assert "nearest: vllm.entrypoints.llm.LLM._run_engine" in table.stdout
+    code2, table = _check(["v0.32.0", "v0.21.0"], as_json=False)
+    assert code2 == code
+    assert re.search(rf"v0\.21\.0\s*│\s*{old['resolved']}\s*│\s*{old['orphaned']}\s*│\s*{old['drifted']}", table), table
+    assert "nearest: vllm.entrypoints.llm.LLM._run_engine" in table
 
 
 def test_check_installed_pin_is_clean():

@@ -32,7 +32,7 @@ def test_show_step_explains_the_preemption():
 def test_show_request_follows_one_request():
     r = cli("show", "shared_prefix", "--request", "second")
     assert r.returncode == 0, r.stderr
-    assert "hit second:64t" in r.stdout and "request second: block table per step" in r.stdout
+    assert "hit second:64t" in r.stdout and "second: blocks per step" in r.stdout and "1* 2* 4+" in r.stdout
 
 
 @pytest.mark.parametrize(

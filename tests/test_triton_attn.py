@@ -59,7 +59,7 @@ def test_kernel_matches_torch_reference(interp, case, dtype):
 def test_launch_configs_match_reference(interp):
     """Multi-token q-blocks over decodes, tiles smaller than and straddling pages."""
     bad = {k: v for k, v in interp["configs"].items() if not v["ok"]}
-    assert len(interp["configs"]) == 2 * len(CASES)
+    assert len(interp["configs"]) == 4
     assert not bad, bad
 
 

@@ -173,7 +173,7 @@ def pin_sources(tag: str) -> Path:
         return cached
     raise TourError(
         f"sources of pin {tag} are not here (installed vLLM: "
-        f"{inst.version if inst else 'none'}); run `vllm-tour pin fetch {tag}`"
+        f"{inst.version if inst else 'none'}); run `vllm-tour pin {tag} --fetch`"
     )
 
 

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 
 from ..errors import TourError
 from . import diffs, harness, report
@@ -35,9 +36,11 @@ def run_compare(module: str, scenario: Path | None, all_scenarios: bool, explain
             if not all_scenarios:
                 raise
             failed.append({"scenario": sc.name, "path": str(path), "error": str(e)})
-            console.print(f"[red]{sc.name}: could not run: {e}[/]")
+            console.print(f"[red]{sc.name}: could not run: {escape(str(e))}[/]")
             continue
         report.render(r, console, explain=explain)
+        # also beside the upstream run it was compared with
+        harness.write_report(r, Path(r.upstream_run) / f"compare-{module.replace('.', '_')}.json")
         results.append(r)
 
     summary = {
@@ -63,12 +66,12 @@ def run_compare(module: str, scenario: Path | None, all_scenarios: bool, explain
             f = r.first
             first = f"step {f.step}: {f.field}" if f and f.step is not None else (f.field if f else "-")
             mx = max((s.max_abs for s in r.tensors), default=None)
-            t.add_row(r.scenario, "[green]clean[/]" if r.clean else "[red]diverged[/]", first,
+            t.add_row(r.scenario, "[green]clean[/]" if r.clean else "[red]diverged[/]", escape(first),
                       f"{mx:.1e}" if mx is not None else "-")
         for s in skipped:
             t.add_row(s["scenario"], "[yellow]skipped[/]", s["why"], "-")
         for s in failed:
-            t.add_row(s["scenario"], "[red]could not run[/]", s["error"], "-")
+            t.add_row(s["scenario"], "[red]could not run[/]", escape(s["error"]), "-")
         console.print(t)
     console.print(f"JSON report: {out}")
     if failed:

@@ -15,7 +15,7 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 from ..errors import TourError
 from ..paths import RUNS_DIR, SCENARIOS_DIR
@@ -176,6 +176,9 @@ def upstream_run_for(scenario, fresh: bool = False, run_dir: Path | None = None,
         tmp.rename(path)
     except OSError:  # another process won the race: use theirs
         shutil.rmtree(tmp, ignore_errors=True)
+    for old in CACHE_DIR.glob(f"{scenario.name}-*"):  # runs under older keys are stale now
+        if old != path and ".tmp-" not in old.name and old.name[len(scenario.name) + 1:].isalnum():
+            shutil.rmtree(old, ignore_errors=True)
     return path
 
 
@@ -256,7 +259,7 @@ def _eos_token_id(model_dir: Path) -> int | None:
 
 
 def run_reimpl(scenario, meta: dict, up_steps: dict[int, dict], up_outputs: dict[str, list[int]],
-               engine_factory: Callable | None = None, capture: bool = True):
+               engine_factory: Callable | None = None, capture: bool = True, on_step=None):
     """Run the reimpl mini engine with upstream's effective settings; returns (engine, results, notes)."""
     from reimpl.engine import Engine, EngineConfig, RequestIn
 
@@ -294,7 +297,11 @@ def run_reimpl(scenario, meta: dict, up_steps: dict[int, dict], up_outputs: dict
     if capture:
         n_layers = engine.model.num_layers
         names = tuple(f"{c}.layers.{i}" for c in CAPTURES for i in range(n_layers))
-    results = engine.run(requests, capture=names)
+    try:
+        results = engine.run(requests, capture=names, on_step=on_step)
+    except Exception as e:
+        e._engine = engine  # the harness still diffs the steps that ran
+        raise
     return engine, results, notes
 
 
@@ -322,12 +329,19 @@ def compare(module: str, scenario_path: Path | str, *, fresh: bool = False, upst
         raise TourError(f"upstream run {run_dir} has probe errors (first: {errors[0]['probe']}: {errors[0]['error']})")
     if tensors is None:
         tensors = module == "reimpl.paged_attn"
+    collected: list = []
+    crash: Divergence | None = None
     try:
-        engine, results, notes = run_reimpl(scenario, meta, up_steps, up_outputs, engine_factory, capture=tensors)
+        engine, results, notes = run_reimpl(scenario, meta, up_steps, up_outputs, engine_factory, capture=tensors,
+                                            on_step=collected.append)
     except TourError:
         raise
-    except Exception as e:  # the reimpl crashed: that is a divergence, reported as such
-        return _crashed(module, scenario, scenario_path, run_dir, up_steps, e, t0)
+    except Exception as e:  # the reimpl crashed: a divergence at the step it crashed in
+        engine, results, notes = getattr(e, "_engine", None), list(collected), []
+        partial = getattr(engine, "current_step", None)
+        if partial is not None and (not results or results[-1] is not partial):
+            results.append(partial)
+        crash = _crash_divergence(e, results[-1].out.step if results else 1)
 
     re_steps: dict[int, dict] = {}
     re_tensors: dict[int, dict] = {}
@@ -339,12 +353,20 @@ def compare(module: str, scenario_path: Path | str, *, fresh: bool = False, upst
         re_tensors[step] = res.tensors
         re_state[step] = res.state
 
-    forced = set(engine.forced)
-    re_outputs = engine.outputs()
-    divs = diffs.diff_tokens({k: v for k, v in up_outputs.items() if k not in forced},
-                             {k: v for k, v in re_outputs.items() if k not in forced})
+    forced = set(engine.forced) if engine else set()
+    re_outputs = engine.outputs() if engine else {}
     sections = diffs.SECTIONS[module]
-    divs += diffs.diff_steps(up_steps, re_steps, sections)
+    if crash is None:
+        divs = diffs.diff_tokens({k: v for k, v in up_outputs.items() if k not in forced},
+                                 {k: v for k, v in re_outputs.items() if k not in forced})
+        divs += diffs.diff_steps(up_steps, re_steps, sections)
+    else:  # compare what ran, up to and including the step that crashed
+        divs = diffs.diff_steps({s: v for s, v in up_steps.items() if s < crash.step},
+                                {s: v for s, v in re_steps.items() if s < crash.step}, sections)
+        if crash.step in up_steps and crash.step in re_steps:  # the decision made before the model ran
+            divs += diffs.diff_step(crash.step, up_steps[crash.step], re_steps[crash.step],
+                                    tuple(x for x in sections if x in ("scheduler", "kv")))
+        divs.append(crash)
     tstats = _diff_tensors(run_dir, up_steps, re_steps, re_tensors, atol, rtol) if tensors else []
 
     tokens = {rid: {"upstream": up_outputs.get(rid), "reimpl": re_outputs.get(rid), "forced": rid in forced}
@@ -359,15 +381,13 @@ def compare(module: str, scenario_path: Path | str, *, fresh: bool = False, upst
     return result
 
 
-def _crashed(module, scenario, scenario_path, run_dir, up_steps, e: Exception, t0) -> CompareResult:
+def _crash_divergence(e: Exception, step: int) -> Divergence:
     import traceback
 
     tb = traceback.extract_tb(e.__traceback__)
     where = next((f"{Path(f.filename).name}:{f.lineno} in {f.name}" for f in reversed(tb) if "reimpl" in f.filename), "?")
-    d = Divergence("missing", None, "reimpl", None, f"{type(e).__name__}: {e}", None, f"the reimpl raised at {where}")
-    r = CompareResult(module, scenario.name, str(scenario_path), str(run_dir), len(up_steps), 0, {}, [d], [])
-    r.duration_s = time.perf_counter() - t0
-    return r
+    return Divergence("crash", step, "reimpl.exception", None, f"{type(e).__name__}: {e}"[:500], None,
+                      f"the reimpl raised at {where}")
 
 
 def _diff_tensors(run_dir, up_steps, re_steps, re_tensors, atol, rtol) -> list[TensorStat]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from .harness import CompareResult
@@ -12,7 +13,7 @@ from .harness import CompareResult
 
 def _short(v, n: int = 90) -> str:
     s = json.dumps(v, default=str) if not isinstance(v, str) else v
-    return s if len(s) <= n else s[: n - 1] + "…"
+    return escape(s if len(s) <= n else s[: n - 1] + "…")  # "[r0]" is text, not rich markup
 
 
 def render(result: CompareResult, console: Console, explain: bool = False, max_rows: int = 12) -> None:
@@ -28,23 +29,23 @@ def render(result: CompareResult, console: Console, explain: bool = False, max_r
     for rid, tok in result.tokens.items():
         same = tok["upstream"] == tok["reimpl"]
         mark = "[yellow]forced[/]" if tok["forced"] else ("[green]=[/]" if same else "[red]≠[/]")
-        t.add_row(rid, _short(tok["upstream"], 60), _short(tok["reimpl"], 60), mark)
+        t.add_row(escape(rid), _short(tok["upstream"], 60), _short(tok["reimpl"], 60), mark)
     console.print(t)
 
     first = result.first
     if first is not None:
         where = f"step {first.step}" if first.step is not None else "outputs"
-        console.print(f"[bold red]first divergence[/]: {where} · [bold]{first.field}[/]"
-                      + (f" · request {first.req_id}" if first.req_id else ""))
+        console.print(f"[bold red]first divergence[/]: {where} · [bold]{escape(first.field)}[/]"
+                      + (f" · request {escape(first.req_id)}" if first.req_id else ""))
         console.print(f"  upstream: {_short(first.upstream, 200)}")
         console.print(f"  reimpl:   {_short(first.reimpl, 200)}")
         if first.message:
-            console.print(f"  {first.message}")
+            console.print(f"  {escape(first.message)}")
         d = Table(title=f"decision/token divergences ({len(result.divergences)}, first {max_rows})")
         for col in ("step", "field", "upstream", "reimpl"):
             d.add_column(col, overflow="fold")
         for dv in sorted(result.divergences, key=lambda x: (x.step is None, x.step or 0))[:max_rows]:
-            d.add_row(str(dv.step) if dv.step is not None else "-", dv.field, _short(dv.upstream), _short(dv.reimpl))
+            d.add_row(str(dv.step) if dv.step is not None else "-", escape(dv.field), _short(dv.upstream), _short(dv.reimpl))
         console.print(d)
     else:
         console.print("[green]decisions identical[/] at every step: scheduled requests and token counts, "
@@ -66,9 +67,9 @@ def render(result: CompareResult, console: Console, explain: bool = False, max_r
         console.print(tt)
         for s in result.bad_tensors[:3]:
             if s.note:
-                console.print(f"  [red]{s.name} step {s.step}[/]: {s.note}")
+                console.print(f"  [red]{s.name} step {s.step}[/]: {escape(s.note)}")
     for n in result.notes:
-        console.print(f"[dim]note: {n}[/]")
+        console.print(f"[dim]note: {escape(n)}[/]")
     if explain and result.explain:
         render_explain(result.explain, console)
 
@@ -101,5 +102,5 @@ def render_explain(ex: dict, console: Console) -> None:
                       f"{st['admission_stopped_by'] or '-'}, free blocks {st['free_blocks']}, "
                       f"free queue head {st['free_queue_head']}")
         for q in ("running", "waiting"):
-            rows = ", ".join(f"{r['req_id']}({r['num_computed_tokens']}/{r['num_tokens']})" for r in st[q])
+            rows = ", ".join(f"{escape(r['req_id'])}({r['num_computed_tokens']}/{r['num_tokens']})" for r in st[q])
             console.print(f"  {q}: {rows or '-'}")

@@ -6,7 +6,8 @@ sequence lengths, query offsets, block-table rows and the slot mapping.
 
 from __future__ import annotations
 
-from ..trace.schema import AttentionLayer, AttentionRecord
+import numpy as np
+
 from ..trace.writer import RECORDER as R
 from . import capture
 from .base import Probe
@@ -16,15 +17,21 @@ PINS = ("v0.32.0",)
 CPU_ATTN = "vllm.v1.attention.backends.cpu_attn"
 
 
-def _trim(row: list[int]) -> list[int]:
-    # Rows are padded with 0, upstream's null block, which no request owns.
-    end = len(row)
-    while end and row[end - 1] == 0:
-        end -= 1
-    return row[:end]
+def _trim_rows(table) -> list[list[int]]:
+    """Block-table rows without their trailing zeros.
+
+    Rows are padded with 0, upstream's null block, which no request owns. Done
+    in numpy: this runs every step over max_num_reqs x max_blocks entries.
+    """
+    bt = table.cpu().numpy()
+    if bt.size == 0:
+        return [[] for _ in range(bt.shape[0])]
+    nonzero = bt != 0
+    widths = np.where(nonzero.any(axis=1), bt.shape[1] - np.argmax(nonzero[:, ::-1], axis=1), 0)
+    return [row[:w] for row, w in zip(bt.tolist(), widths.tolist())]
 
 
-def _layers(builder) -> list[AttentionLayer]:
+def _layers(builder) -> list[dict]:
     if R.layers_info is None:
         ctx = builder.vllm_config.compilation_config.static_forward_context
         layers, first = [], None
@@ -34,8 +41,8 @@ def _layers(builder) -> list[AttentionLayer]:
                 kv = kv[0] if kv else None
             if kv is None or not hasattr(kv, "shape"):
                 continue
-            info = AttentionLayer(layer=name, kv_cache_shape=list(kv.shape), kv_cache_dtype=str(kv.dtype).replace("torch.", ""))
-            key = (tuple(info.kv_cache_shape), info.kv_cache_dtype)
+            info = {"layer": name, "kv_cache_shape": list(kv.shape), "kv_cache_dtype": str(kv.dtype).replace("torch.", "")}  # schema.AttentionLayer
+            key = (tuple(info["kv_cache_shape"]), info["kv_cache_dtype"])
             if first is None or key != first:  # list only layers that differ from the first
                 layers.append(info)
                 first = first or key
@@ -53,25 +60,35 @@ def _build_after(token, md, self, common_prefix_len, common_attn_metadata, *a, *
     if R.runner_pending is not None:
         R.runner_pending["slot_mapping"] = int_list(slots)
     capture.note_slots(slots)
-    layout = None
-    try:
-        resolved = self.vllm_config.cache_config.get_resolved_kv_cache_layout()
-        layout = str(getattr(resolved, "name", resolved))
-    except Exception:
-        pass
-    R.write(
-        AttentionRecord(
-            step=R.worker_step,
-            proc=R.proc("worker"),
-            backend=type(self).__name__.removesuffix("MetadataBuilder"),
-            layout=layout,
-            num_reqs=num_reqs,
-            seq_lens=md.seq_lens[:num_reqs].tolist(),
-            query_lens=[b - a for a, b in zip(qsl, qsl[1:])],
-            block_table=[_trim(row) for row in md.block_table[:num_reqs].tolist()],
-            layers=_layers(self),
-        )
+    R.write(  # a schema.AttentionRecord, as a dict (see Recorder.write)
+        {
+            "step": R.worker_step,
+            "proc": R.proc_dict("worker"),
+            "kind": "attention",
+            "backend": type(self).__name__.removesuffix("MetadataBuilder"),
+            "layout": _layout(self),
+            "num_reqs": num_reqs,
+            "seq_lens": md.seq_lens[:num_reqs].tolist(),
+            "query_lens": [b - a for a, b in zip(qsl, qsl[1:])],
+            "block_table": _trim_rows(md.block_table[:num_reqs]),
+            "layers": _layers(self),
+        }
     )
+
+
+_layouts: dict[int, str | None] = {}
+
+
+def _layout(builder) -> str | None:
+    """The resolved KV-cache layout name (e.g. LBHNC), looked up once per config."""
+    cfg = builder.vllm_config.cache_config
+    if id(cfg) not in _layouts:
+        try:
+            resolved = cfg.get_resolved_kv_cache_layout()
+            _layouts[id(cfg)] = str(getattr(resolved, "name", resolved))
+        except Exception:
+            _layouts[id(cfg)] = None
+    return _layouts[id(cfg)]
 
 
 build = Probe(

@@ -9,7 +9,6 @@ behind a preemption). `scheduler.py` turns that into one `KVRecord` per step.
 
 from __future__ import annotations
 
-from ..trace.schema import KVRecord, PrefixHit
 from ..trace.writer import RECORDER as R
 from ..trace.writer import user_req_id
 from .base import Probe
@@ -34,25 +33,23 @@ def new_step_scratch() -> dict:
 # --- allocate_slots: new blocks, prefix hits, failures ---------------------------------
 
 
-def _alloc_before(self, request, num_new_tokens, num_new_computed_tokens=0, new_computed_blocks=None, *a, **kw):
-    hit_ids = _block_ids(new_computed_blocks) if num_new_computed_tokens else []
-    return (request.request_id, num_new_tokens, num_new_computed_tokens, hit_ids, self.block_pool.get_num_free_blocks())
-
-
-def _alloc_after(token, result, self, request, *a, **kw):
-    rid, n_new, n_hit, hit_ids, free_before = token
-    rid = user_req_id(rid)
+def _alloc_after(token, result, self, request, num_new_tokens, num_new_computed_tokens=0, new_computed_blocks=None, *a, **kw):
+    # After-only (it runs for every request every step): a failed allocation
+    # returns before touching the pool, so the free count read now is the one
+    # it failed against.
+    rid = user_req_id(request.request_id)
     if result is None:
-        R.last_alloc_failure = {"req_id": rid, "num_tokens": n_new, "free_blocks": free_before}
+        R.last_alloc_failure = {"req_id": rid, "num_tokens": num_new_tokens, "free_blocks": self.block_pool.get_num_free_blocks()}
         return
     scratch = R.kv_step
     if scratch is None:
         return  # allocation outside schedule(): not a step decision
-    new_ids = _block_ids(result)
-    if new_ids:
-        scratch["allocated"].setdefault(rid, []).extend(new_ids)
-    if n_hit:
-        scratch["hits"].append(PrefixHit(req_id=rid, num_hit_tokens=n_hit, block_ids=hit_ids))
+    groups = result.blocks
+    if groups and groups[0]:
+        scratch["allocated"].setdefault(rid, []).extend(b.block_id for b in groups[0])
+    if num_new_computed_tokens:
+        hit = {"req_id": rid, "num_hit_tokens": num_new_computed_tokens, "block_ids": _block_ids(new_computed_blocks)}
+        scratch["hits"].append(hit)  # a schema.PrefixHit
 
 
 allocate_slots = Probe(
@@ -61,7 +58,6 @@ allocate_slots = Probe(
     params=("self", "request", "num_new_tokens", "num_new_computed_tokens", "new_computed_blocks"),
     records="blocks newly given to a request, prefix-cache hits (tokens, reused block ids), failed allocations",
     pins=PINS,
-    before=_alloc_before,
     after=_alloc_after,
 )
 
@@ -116,7 +112,7 @@ evict = Probe(
 PROBES = [allocate_slots, free, evict]
 
 
-def kv_record(scheduler, step: int, scratch: dict) -> KVRecord:
+def kv_record(scheduler, step: int, scratch: dict) -> dict:
     """The KV state after this step's allocation, plus what changed."""
     kvm = scheduler.kv_cache_manager
     pool = kvm.block_pool
@@ -128,17 +124,18 @@ def kv_record(scheduler, step: int, scratch: dict) -> KVRecord:
     }
     freed, R.kv_pending_freed = R.kv_pending_freed, []
     evicted, R.kv_pending_evicted = R.kv_pending_evicted, []
-    return KVRecord(
-        step=step,
-        proc=R.proc("engine_core"),
-        num_blocks=pool.num_gpu_blocks - 1,
-        block_size=scheduler.block_size,
-        free_blocks=pool.get_num_free_blocks(),
-        usage=round(pool.get_usage(), 6),
-        block_tables=tables,
-        allocated=scratch["allocated"],
-        freed=freed,
-        evicted=evicted,
-        prefix_hits=scratch["hits"],
-        prefix_caching=bool(kvm.enable_caching),
-    )
+    return {  # a schema.KVRecord, as a dict (see Recorder.write)
+        "step": step,
+        "proc": R.proc_dict("engine_core"),
+        "kind": "kv",
+        "num_blocks": pool.num_gpu_blocks - 1,
+        "block_size": scheduler.block_size,
+        "free_blocks": pool.get_num_free_blocks(),
+        "usage": round(pool.get_usage(), 6),
+        "block_tables": tables,
+        "allocated": scratch["allocated"],
+        "freed": freed,
+        "evicted": evicted,
+        "prefix_hits": scratch["hits"],
+        "prefix_caching": bool(kvm.enable_caching),
+    }

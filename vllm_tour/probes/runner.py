@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 
-from ..trace.schema import IntList, RunnerRecord
 from ..trace.writer import RECORDER as R
 from ..trace.writer import user_req_id
 from . import capture
@@ -23,12 +22,12 @@ FULL_LIMIT = 256  # lists longer than this are summarized
 EDGE = 16
 
 
-def int_list(values) -> IntList:
-    values = [int(v) for v in values]
+def int_list(values: list[int]) -> dict:
+    """A schema.IntList as a dict: in full up to FULL_LIMIT values, else summarized."""
     if len(values) <= FULL_LIMIT:
-        return IntList(full=values, length=len(values))
+        return {"full": values, "length": len(values), "head": [], "tail": [], "sha256": None}
     digest = hashlib.sha256(",".join(map(str, values)).encode()).hexdigest()
-    return IntList(length=len(values), head=values[:EDGE], tail=values[-EDGE:], sha256=digest)
+    return {"full": None, "length": len(values), "head": values[:EDGE], "tail": values[-EDGE:], "sha256": digest}
 
 
 def _tp_rank() -> int:
@@ -68,21 +67,22 @@ def _flush(output) -> None:
     if ids and isinstance(tokens, list):  # async outputs are not read: that would sync
         sampled = {user_req_id(r): [int(t) for t in tok] for r, tok in zip(ids, tokens)}
     req_ids = p.get("req_ids", [])
-    R.write(
-        RunnerRecord(
-            step=p["step"],
-            proc=R.proc("worker"),
-            num_tokens=p["num_tokens"],
-            req_ids=[user_req_id(r) for r in req_ids],
-            num_scheduled_tokens=[p["sched"][r] for r in req_ids],
-            input_ids=p.get("input_ids") or int_list([]),
-            positions=p.get("positions") or int_list([]),
-            query_start_loc=p.get("query_start_loc", []),
-            seq_lens=p.get("seq_lens", []),
-            slot_mapping=p.get("slot_mapping") or int_list([]),
-            logits_indices=p.get("logits_indices", []),
-            sampled_token_ids=sampled,
-        )
+    R.write(  # a schema.RunnerRecord, as a dict (see Recorder.write)
+        {
+            "step": p["step"],
+            "proc": R.proc_dict("worker"),
+            "kind": "runner",
+            "num_tokens": p["num_tokens"],
+            "req_ids": [user_req_id(r) for r in req_ids],
+            "num_scheduled_tokens": [p["sched"][r] for r in req_ids],
+            "input_ids": p.get("input_ids") or int_list([]),
+            "positions": p.get("positions") or int_list([]),
+            "query_start_loc": p.get("query_start_loc", []),
+            "seq_lens": p.get("seq_lens", []),
+            "slot_mapping": p.get("slot_mapping") or int_list([]),
+            "logits_indices": p.get("logits_indices", []),
+            "sampled_token_ids": sampled,
+        }
     )
     capture.flush(p["step"])
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from ..trace.schema import Preemption, ScheduledRequest, SchedulerRecord
+from ..trace.schema import Preemption
 from ..trace.writer import RECORDER as R
 from ..trace.writer import user_req_id
 from . import kv
@@ -34,7 +34,7 @@ def _prefill_end(req) -> int:
     return max(req.num_prompt_tokens, req.num_tokens - 1)
 
 
-def _scheduled(self, out, running_before: set[str]) -> list[ScheduledRequest]:
+def _scheduled(self, out, running_before: set[str]) -> list[dict]:
     rows = []
     cached = out.scheduled_cached_reqs
     entries = [(nr.req_id, nr.num_computed_tokens, False) for nr in out.scheduled_new_reqs]
@@ -52,16 +52,16 @@ def _scheduled(self, out, running_before: set[str]) -> list[ScheduledRequest]:
             kind = "running"
         else:
             kind = "new"
-        rows.append(
-            ScheduledRequest(
-                req_id=user_req_id(rid),
-                kind=kind,
-                num_scheduled_tokens=n,
-                num_computed_tokens=computed,
-                num_prompt_tokens=req.num_prompt_tokens,
-                num_output_tokens=req.num_output_tokens,
-                is_prefill=computed < _prefill_end(req),
-            )
+        rows.append(  # fields of schema.ScheduledRequest
+            {
+                "req_id": user_req_id(rid),
+                "kind": kind,
+                "num_scheduled_tokens": n,
+                "num_computed_tokens": computed,
+                "num_prompt_tokens": req.num_prompt_tokens,
+                "num_output_tokens": req.num_output_tokens,
+                "is_prefill": computed < _prefill_end(req),
+            }
         )
     return rows
 
@@ -71,23 +71,24 @@ def _schedule_after(token, out, self, *a, **kw):
     step = R.sched_step
     scratch, R.kv_step = R.kv_step, None
     running_after, waiting_after = self.get_request_counts()
-    R.write(
-        SchedulerRecord(
-            step=step,
-            proc=R.proc("engine_core"),
-            time=time.time(),
-            duration_s=time.perf_counter() - t0,
-            waiting_before=waiting_before,
-            running_before=running_before,
-            waiting_after=waiting_after,
-            running_after=running_after,
-            token_budget=self.max_num_scheduled_tokens,
-            tokens_scheduled=out.total_num_scheduled_tokens,
-            max_num_seqs=self.max_num_running_reqs,
-            scheduled=_scheduled(self, out, running_ids),
-            preempted=R.preempted,
-            finished=sorted(user_req_id(r) for r in out.finished_req_ids),
-        )
+    R.write(  # a schema.SchedulerRecord, as a dict (see Recorder.write)
+        {
+            "step": step,
+            "proc": R.proc_dict("engine_core"),
+            "kind": "scheduler",
+            "time": time.time(),
+            "duration_s": time.perf_counter() - t0,
+            "waiting_before": waiting_before,
+            "running_before": running_before,
+            "waiting_after": waiting_after,
+            "running_after": running_after,
+            "token_budget": self.max_num_scheduled_tokens,
+            "tokens_scheduled": out.total_num_scheduled_tokens,
+            "max_num_seqs": self.max_num_running_reqs,
+            "scheduled": _scheduled(self, out, running_ids),
+            "preempted": [p.model_dump(mode="json") for p in R.preempted],
+            "finished": sorted(user_req_id(r) for r in out.finished_req_ids),
+        }
     )
     R.preempted = []
     R.write(kv.kv_record(self, step, scratch))

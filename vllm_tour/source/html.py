@@ -25,10 +25,10 @@ from .resolve import NotFound, SourceTree
 
 _MD = MarkdownIt("commonmark", {"html": False})
 _UI = {
-    "en": {"journey": "The request journey", "concepts": "From a trace to the code", "notes": "notes",
+    "en": {"journey": "The request journey", "concepts": "From a trace to the code", "notes": "notes", "note": "note",
            "field": "trace field", "code": "code", "back": "← index", "orphan": "does not resolve on this pin",
            "whole": "on the whole symbol", "probes": "probes", "see": "see"},
-    "zh": {"journey": "请求的旅程", "concepts": "从 trace 到代码", "notes": "条注解", "field": "trace 字段",
+    "zh": {"journey": "请求的旅程", "concepts": "从 trace 到代码", "notes": "条注解", "note": "条注解", "field": "trace 字段",
            "code": "代码", "back": "← 目录", "orphan": "在此 pin 上无法定位", "whole": "针对整个符号",
            "probes": "探针", "see": "参见"},
 }
@@ -225,7 +225,7 @@ def index_page(subs: list[Subsystem], pin: str, links: _Links) -> str:
         for q in sub.symbols():
             n = sum(1 for x in sub.notes if x.symbol == q)
             items.append(f'<li><a class="internal sym" href="sym/{_e(page_name(q))}"><code>{_e(q)}</code></a> '
-                         f'<span class="muted">{n} {_ui("notes")}</span></li>')
+                         f'<span class="muted">{n} {_ui("notes") if n > 1 else _ui("note")}</span></li>')
         parts.append(f'<section class="sub" id="sub-{_e(sub.name)}"><h3><span class="step">{k}</span>'
                      f'{_both(sub.title)}</h3>{_both(sub.intro, "div", md=True)}<ul>{"".join(items)}</ul></section>')
     parts.append(f'<h2 id="concepts">{_ui("concepts")}</h2><table class="concepts"><tr><th></th>'

@@ -65,14 +65,30 @@ def qualnames(root: Path) -> list[str]:
 
 
 def nearest(qualname: str, names: list[str], n: int = 3) -> list[str]:
-    """Closest names: same last component first (a moved symbol), then by
-    similarity of the whole name (a renamed one)."""
+    """Closest names, best first: a symbol of the same name elsewhere (moved),
+    then a close sibling in the deepest scope that still exists (renamed), then
+    names whose last component is spelled alike. Comparing against all ~60k
+    names with difflib takes seconds per lookup; these pools keep it fast."""
+    ratio = lambda x: difflib.SequenceMatcher(None, qualname, x).ratio()
     last = qualname.rsplit(".", 1)[-1]
-    moved = [x for x in names if x.rsplit(".", 1)[-1] == last and x != qualname]
-    moved.sort(key=lambda x: -difflib.SequenceMatcher(None, qualname, x).ratio())
-    close = difflib.get_close_matches(qualname, names, n=n + len(moved), cutoff=0.6)
+    moved = sorted((x for x in names if x.rsplit(".", 1)[-1] == last and x != qualname), key=ratio, reverse=True)
+
+    prefix = qualname
+    while "." in prefix:
+        prefix = prefix.rsplit(".", 1)[0]
+        siblings = [x for x in names if x.startswith(prefix + ".") and "." not in x[len(prefix) + 1 :]]
+        if siblings:
+            break
+    else:
+        siblings = []
+    renamed = difflib.get_close_matches(qualname, siblings, n=n, cutoff=0.5)
+
+    lasts = {x.rsplit(".", 1)[-1] for x in names}
+    alike = set(difflib.get_close_matches(last, lasts, n=5, cutoff=0.75))
+    spelled = sorted((x for x in names if x.rsplit(".", 1)[-1] in alike), key=ratio, reverse=True)[: n * 3]
+
     out: list[str] = []
-    for x in moved + close:
+    for x in moved[:n] + renamed + spelled:
         if x not in out and x != qualname:
             out.append(x)
     return out[:n]

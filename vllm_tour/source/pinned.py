@@ -28,5 +28,9 @@ def tree_for_pin(tag: str | None = None, status: Callable[[str], None] | None = 
         if status:
             status(f"fetching sources of pin {tag} ({dist.dist}=={dist.version} wheel, once; cached afterwards)…")
         root = pins.fetch_sources(tag)
+        digest, _ = pins.source_digest(root)
+        if status and digest != pin.source_digest:
+            # annotated on other code than the pin names: say so, but still show it
+            status(f"warning: fetched sources of {tag} have digest {digest}, pin says {pin.source_digest}")
     _TREES[tag] = SourceTree(root, label=f"pin {tag}")
     return _TREES[tag]

@@ -48,7 +48,7 @@ def render(console: Console, tree: SourceTree, symbol: Symbol, notes: list[Note]
     places = placements(notes, tree, symbol)
     rel = symbol.path.relative_to(tree.root.parent)
     console.print(Text.assemble((symbol.qualname, "bold"), f"  {rel}:{symbol.span.start}-{symbol.span.end}  ",
-                                (f"pin {pin} · {len(notes)} notes · {lang}", "dim")))
+                                (f"pin {pin} · {len(notes)} note{'s' if len(notes) != 1 else ''} · {lang}", "dim")))
     numbered = list(enumerate(places, 1))
     top = [(i, p) for i, p in numbered if p.note.anchor is None or not p.ok]
     inline = [(i, p) for i, p in numbered if p.note.anchor is not None and p.ok]

@@ -84,6 +84,10 @@ class SourceTree:
         self.label = label or str(root)
         self._parsed: dict[Path, _Parsed] = {}
         self._names: list[str] | None = None
+        # A tree is read-only for its lifetime (edit a copy, then make a new
+        # SourceTree), so lookups and suggestions are memoized.
+        self._symbols: dict[str, Symbol | NotFound] = {}
+        self._suggested: dict[str, list[str]] = {}
 
     # -- modules ------------------------------------------------------------
     def module_file(self, dotted: list[str]) -> Path | None:
@@ -105,6 +109,17 @@ class SourceTree:
 
     # -- symbols ------------------------------------------------------------
     def resolve(self, qualname: str) -> Symbol:
+        if qualname not in self._symbols:
+            try:
+                self._symbols[qualname] = self._resolve(qualname)
+            except NotFound as e:
+                self._symbols[qualname] = e
+        found = self._symbols[qualname]
+        if isinstance(found, NotFound):
+            raise found
+        return found
+
+    def _resolve(self, qualname: str) -> Symbol:
         parts = qualname.split(".")
         for i in range(len(parts), 0, -1):
             path = self.module_file(parts[:i])
@@ -149,7 +164,10 @@ class SourceTree:
     def suggest(self, qualname: str, n: int = 3) -> list[str]:
         from .index import nearest
 
-        return nearest(qualname, self.all_names(), n)
+        key = f"{qualname}/{n}"
+        if key not in self._suggested:
+            self._suggested[key] = nearest(qualname, self.all_names(), n)
+        return self._suggested[key]
 
 
 def _body(node: cst.CSTNode) -> list[cst.CSTNode]:

@@ -111,6 +111,7 @@ def block_grid(run: Run, step: Step, only: str | None = None) -> Table:
         caption="+ new this step · * reused (prefix cache) · color: the block's first owner",
         title_justify="left",
         caption_justify="left",
+        min_width=72,
     )
     table.add_column("request")
     if kv is None:
@@ -134,7 +135,7 @@ def step_detail(run: Run, step: Step) -> Group:
     parts = [step_table_for(run, step)]
     sch = step.scheduler
     if sch:
-        t = Table(title=f"step {step.index}: scheduled", title_justify="left")
+        t = Table(title=f"step {step.index}: scheduled", title_justify="left", min_width=60)
         for c in ("request", "kind", "tokens", "computed before", "prompt", "output", "phase"):
             t.add_column(c)
         for r in sch.scheduled:
@@ -182,13 +183,14 @@ def request_view(run: Run, rid: str) -> Group:
     if rid not in run.request_ids():
         raise TourError(f"no request {rid!r} in {run.path.name} (requests: {', '.join(run.request_ids())})")
     parts = [step_table(run, focus=rid)]
-    t = Table(title=f"request {rid}: block table per step", title_justify="left")
+    t = Table(title=f"{rid}: blocks per step", caption="+ new · * prefix-cache hit", title_justify="left", caption_justify="left", min_width=50)
     t.add_column("step", justify="right")
     t.add_column("blocks")
     for s in run.steps:
         if s.kv and rid in s.kv.block_tables:
             new = set(s.kv.allocated.get(rid, []))
-            t.add_row(str(s.index), " ".join(f"{b}{'+' if b in new else ''}" for b in s.kv.block_tables[rid]))
+            hit = {b for h in s.kv.prefix_hits if h.req_id == rid for b in h.block_ids}
+            t.add_row(str(s.index), " ".join(f"{b}{'+' if b in new else '*' if b in hit else ''}" for b in s.kv.block_tables[rid]))
     parts.append(t)
     if run.outputs:
         for o in run.outputs.requests:

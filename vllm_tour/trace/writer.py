@@ -8,6 +8,7 @@ step counters and the small per-step scratch state the probes share.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -25,6 +26,7 @@ FAULT_ENV = "VLLM_TOUR_FAULT"  # a probe name: that probe raises (tests)
 _SUFFIX = re.compile(r"-[0-9a-f]{8}$")
 
 
+@functools.lru_cache(maxsize=4096)
 def user_req_id(internal_id: str) -> str:
     return _SUFFIX.sub("", internal_id)
 
@@ -96,14 +98,27 @@ class Recorder:
     def proc(self, role: str) -> Proc:
         return Proc(role=role, pid=os.getpid(), rank=self.rank if role == "worker" else 0)
 
+    def proc_dict(self, role: str) -> dict:
+        return {"role": role, "pid": os.getpid(), "rank": self.rank if role == "worker" else 0}
+
     def write(self, record) -> None:
+        """Append one record: a schema model, or (on hot paths) a plain dict with the same fields.
+
+        Hot-path probes build dicts because pydantic validation of a 64-request
+        batch costs more than the rest of the probe; the reader validates every
+        line against the schema, and the golden tests pin the field set.
+        """
         if self._file is None:
             assert self.run_dir is not None
             path = self.run_dir / f"records.{os.getpid()}.jsonl"
             # Line-buffered append: each record is one complete line on disk as
             # soon as it is written, so a killed run leaves a readable trace.
             self._file = open(path, "a", buffering=1, encoding="utf-8")
-        self._file.write(record.model_dump_json(exclude_defaults=False) + "\n")
+        if isinstance(record, dict):
+            line = json.dumps(record, separators=(",", ":"), ensure_ascii=False)
+        else:
+            line = record.model_dump_json()
+        self._file.write(line + "\n")
 
     def probe_error(self, probe, error: Exception, tb: str) -> None:
         try:
