@@ -133,3 +133,12 @@ def test_sigkill_mid_run_leaves_a_trace_show_reads(tmp_path):
     shown = subprocess.run([sys.executable, "-m", "vllm_tour.cli", "show", str(out)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
     assert shown.returncode == 0, shown.stderr
     assert "did not finish" in shown.stdout and "r0:D" in shown.stdout
+
+
+def test_arrival_steps_are_honoured_in_process(trace_runs):
+    run = load_run(trace_runs.get("arrivals"))
+    first = {}
+    for s in run.steps:
+        for r in s.scheduler.scheduled:
+            first.setdefault(r.req_id, (s.index, r.kind))
+    assert first == {"a": (1, "new"), "b": (3, "new"), "c": (6, "new")}

@@ -156,7 +156,9 @@ def trace(
 
       vllm-tour trace --request "hello"
 
-      vllm-tour trace -r "a long prompt ..." -r "another" --num-blocks 8 --max-tokens 60   # preemption
+      vllm-tour trace -r "one prompt" -r "another" -r "a third" --num-blocks 7 --max-tokens 100 --ignore-eos   # preemption
+
+      vllm-tour trace -r "a prompt longer than the budget ..." --max-num-batched-tokens 32   # chunked prefill
 
       vllm-tour trace --scenario traces/scenarios/shared_prefix.toml --capture attn_out
     """
@@ -170,6 +172,33 @@ def trace(
     )
     sc = command.build_scenario(scenario, request, requests_file, model, pin, max_tokens, temperature, seed, ignore_eos, engine)
     command.trace(sc, out, capture, capture_steps, multiprocess, console)
+
+
+@app.command()
+def probes(
+    pin: Optional[str] = typer.Option(None, "--pin", help="Pin tag to check the targets on (default: the pin of the installed vLLM)."),
+):
+    """List the declared probes: upstream target, what each records, the pins it supports. Exit 2 if a target is missing."""
+    from .pins import active_pin_tag
+    from .probes.base import resolve
+    from .probes.install import PROBES
+
+    tag = pin or active_pin_tag()
+    table = Table(title=f"probes — pin {tag}", title_justify="left")
+    for col in ("probe", "target", "records", "pins", ""):
+        table.add_column(col, overflow="fold")
+    bad = []
+    for p in PROBES:
+        try:
+            resolve(p, tag)
+            mark = "[green]ok[/]"
+        except TourError as e:
+            bad.append(str(e))
+            mark = "[red]MISSING[/]"
+        table.add_row(p.name + (" (capture)" if p.capture_only else ""), p.target, p.records, ", ".join(p.pins), mark)
+    console.print(table)
+    if bad:
+        raise TourError(bad[0])
 
 
 @app.command()
@@ -196,7 +225,7 @@ def show(
 def export(
     run: str = typer.Argument("latest", help="A run directory, a name under traces/runs or traces/golden, or 'latest'."),
     format: str = typer.Option("perfetto", "--format", "-f", help="perfetto: Chrome trace JSON for ui.perfetto.dev."),
-    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output file (default: <run>/trace.perfetto.json)."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output file (default: <run>/trace.perfetto.json; for golden traces traces/runs/golden-<name>.perfetto.json)."),
 ):
     """Export a run for a trace viewer. Open the file at https://ui.perfetto.dev (Open trace file).
 
@@ -204,13 +233,14 @@ def export(
     (waiting, prefill chunks, decode, resumed, preemption markers) and counters
     for KV usage and running/waiting requests.
     """
+    from .trace.perfetto import default_export_path
     from .trace.perfetto import export as to_perfetto
     from .trace.reader import load_run
 
     if format != "perfetto":
         raise TourError(f"unknown format {format!r} (supported: perfetto)")
     r = load_run(run)
-    path = to_perfetto(r, out or r.path / "trace.perfetto.json")
+    path = to_perfetto(r, out or default_export_path(r.path))
     console.print(f"wrote {path} ({len(r.steps)} steps): open it at https://ui.perfetto.dev")
 
 

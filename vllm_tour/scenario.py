@@ -36,7 +36,7 @@ class EngineSpec(BaseModel):
     max_num_seqs: int | None = None
     enable_prefix_caching: bool = True
     tensor_parallel_size: int = 1
-    max_model_len: int = 1024
+    max_model_len: int = 1024  # with num_blocks and no explicit value: what the pool can hold
     seed: int = 0
     dtype: str = "float32"
 
@@ -46,6 +46,16 @@ class EngineSpec(BaseModel):
             raise ValueError(f"block_size must be a positive multiple of 32 on CPU, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError("num_blocks must be at least 1")
+        if self.num_blocks is not None:
+            # Upstream refuses to start unless one max-length sequence fits the pool.
+            capacity = self.num_blocks * self.block_size
+            if "max_model_len" not in self.model_fields_set:
+                self.max_model_len = min(self.max_model_len, capacity)
+            elif self.max_model_len > capacity:
+                raise ValueError(
+                    f"max_model_len {self.max_model_len} does not fit in num_blocks {self.num_blocks} x block_size "
+                    f"{self.block_size} = {capacity} tokens; lower max_model_len to <= {capacity}"
+                )
         if self.tensor_parallel_size not in (1, 2):
             raise ValueError("tensor_parallel_size must be 1 or 2 on this CPU build")
         return self

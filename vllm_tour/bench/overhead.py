@@ -99,12 +99,16 @@ def main() -> None:
     order = ["A", "B", "B", "A"] * ((args.rounds + 1) // 2)
     per_side: dict[str, list[float]] = {"A": [], "B": []}
     steps = traced_steps = 0
+    hook_rounds: list[float] = []  # probe-hook seconds per step, per traced round
     with tempfile.TemporaryDirectory() as tmp:
         for k, side in enumerate(order[: 2 * args.rounds]):
             if side == "B":
                 install(resolved, RECORDER)
                 RECORDER.activate(f"{tmp}", "", "")
+            hooks_before = sum(hook_s.values())
             times = run_round(engine, reqs, SamplingParams, f"{side}{k}")
+            if side == "B":
+                hook_rounds.append((sum(hook_s.values()) - hooks_before) / len(times))
             if side == "B":
                 RECORDER.deactivate()
                 uninstall(resolved)
@@ -121,6 +125,7 @@ def main() -> None:
     print(f"traced:   mean step {b * 1e3:.2f} ms (median over rounds; rounds {', '.join(f'{x * 1e3:.2f}' for x in per_side['B'])})")
     per_step = sum(hook_s.values()) / max(traced_steps, 1)
     print(f"probe hooks: {per_step * 1e6:.0f} us per step = {per_step / a:.1%} of the untraced step")
+    print(f"  least-disturbed traced round: {min(hook_rounds) * 1e6:.0f} us per step = {min(hook_rounds) / min(per_side['A']):.1%} of the fastest untraced round's step")
     top = sorted(hook_s.items(), key=lambda kv: -kv[1])[:4]
     print("  costliest: " + ", ".join(f"{k} {v / max(traced_steps, 1) * 1e6:.0f} us" for k, v in top))
     best_a, best_b = min(per_side["A"]), min(per_side["B"])

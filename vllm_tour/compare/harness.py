@@ -176,8 +176,11 @@ def upstream_run_for(scenario, fresh: bool = False, run_dir: Path | None = None,
         tmp.rename(path)
     except OSError:  # another process won the race: use theirs
         shutil.rmtree(tmp, ignore_errors=True)
-    for old in CACHE_DIR.glob(f"{scenario.name}-*"):  # runs under older keys are stale now
-        if old != path and ".tmp-" not in old.name and old.name[len(scenario.name) + 1:].isalnum():
+    # Runs under older keys are stale; drop those untouched for a day (not newer
+    # ones: another session may still be reading them).
+    for old in CACHE_DIR.glob(f"{scenario.name}-*"):
+        if (old != path and old.name[len(scenario.name) + 1:].isalnum()
+                and time.time() - old.stat().st_mtime > 86400):
             shutil.rmtree(old, ignore_errors=True)
     return path
 

@@ -29,7 +29,7 @@ class Probe:
     name: str  # e.g. "scheduler.schedule"; used in probe-error records and FAULT_ENV
     target: str  # upstream qualified name: module path + class + attribute
     params: tuple[str, ...]  # leading parameter names the hooks rely on
-    records: str  # what it records, in words (shown by `vllm-tour trace --list-probes`)
+    records: str  # what it records, in words (shown by `vllm-tour probes`)
     pins: tuple[str, ...]  # pins whose source this probe was checked against
     before: Callable[..., Any] | None = None  # (*args, **kwargs) -> token
     after: Callable[..., None] | None = None  # (token, result, *args, **kwargs)
@@ -105,7 +105,7 @@ def make_wrapper(r: Resolved, recorder) -> Callable:
         if not recorder.active or (probe.capture_only and not recorder.capture):
             return original(*args, **kwargs)
         token = None
-        if probe.before is not None:
+        if probe.before is not None or recorder.fault == probe.name:
             try:
                 if recorder.fault == probe.name:
                     raise RuntimeError(f"forced fault in probe {probe.name} ({FAULT_ENV})")

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from ..errors import TourError
@@ -82,27 +84,38 @@ def trace(scenario: Scenario, out: Path | None, capture: list[str], capture_step
 
 
 def summarize(run, elapsed: float, console: Console) -> None:
+    print_ = functools.partial(console.print, highlight=False)
     steps = run.steps
     preempt = [(s.index, p.req_id) for s in steps if s.scheduler for p in s.scheduler.preempted]
     hits = [(s.index, h.req_id, h.num_hit_tokens) for s in steps if s.kv for h in s.kv.prefix_hits]
     gen = sum(len(o.token_ids) for o in run.outputs.requests) if run.outputs else 0
     peak = max((s.kv.usage for s in steps if s.kv), default=0.0)
     batch = max((len(s.scheduler.scheduled) for s in steps if s.scheduler), default=0)
-    console.print(f"[bold]traced[/] {len(run.meta.requests)} request(s), {len(steps)} steps, {gen} tokens generated in {elapsed:.1f}s (pin {run.meta.pin}, {run.meta.model})")
-    console.print(f"  largest batch {batch} · peak KV usage {peak:.1%} · preemptions {len(preempt)} · prefix-cache hits {len(hits)}")
+    print_(f"[bold]traced[/] {len(run.meta.requests)} request(s), {len(steps)} steps, {gen} tokens generated in {elapsed:.1f}s (pin {run.meta.pin}, {run.meta.model})")
+    print_(f"  largest batch {batch} · peak KV usage {peak:.1%} · preemptions {len(preempt)} · prefix-cache hits {len(hits)}")
     for i, rid in preempt[:3]:
-        console.print(f"  step {i}: preempted {rid}")
+        print_(f"  step {i}: preempted {rid}")
     for i, rid, n in hits[:3]:
-        console.print(f"  step {i}: {rid} reused {n} cached tokens")
+        print_(f"  step {i}: {rid} reused {n} cached tokens")
     if run.outputs:
         for o in run.outputs.requests[:4]:
-            console.print(f"  {o.req_id}: {len(o.token_ids)} tokens → {o.text[:50]!r}")
+            print_(escape(f"  {o.req_id}: {len(o.token_ids)} tokens → {o.text[:50]!r}"))
     if run.errors:
-        console.print(f"  [bold red]{len(run.errors)} probe error(s)[/]: {run.errors[0].probe}: {run.errors[0].error}")
+        print_(f"  [bold red]{len(run.errors)} probe error(s)[/]: " + escape(f"{run.errors[0].probe}: {run.errors[0].error}"))
     for w in run.warnings:
-        console.print(f"  [yellow]warning:[/] {w}")
-    console.print(f"  run dir: {run.path}")
-    console.print(f"  next: vllm-tour show {run.path}   ·   vllm-tour export {run.path} --format perfetto")
+        print_("  [yellow]warning:[/] " + escape(w))
+    where = _display(run.path)
+    print_(f"  run dir: {where}")
+    print_(f"  see it:  vllm-tour show {where}  (--step N, --request ID)")
+    print_(f"  export:  vllm-tour export {where} --format perfetto")
+
+
+def _display(path: Path) -> str:
+    """The run dir as the user would type it: relative when under the current directory."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
 
 
 def quiet_vllm(verbose: bool) -> None:

@@ -51,7 +51,7 @@ def to_chrome_trace(run: Run) -> dict:
     tid = {rid: 10 + i for i, rid in enumerate(ids)}
     for rid in ids:
         events.append(_meta(REQUESTS_PID, tid[rid], "thread_name", f"request {rid}"))
-    arrived: set[str] = set()
+    lives = _lifetimes(run)
     for s, (ts, dur) in zip(run.steps, _step_times(run)):
         sch, kv = s.scheduler, s.kv
         args = {"step": s.index}
@@ -65,7 +65,6 @@ def to_chrome_trace(run: Run) -> dict:
         events.append({"ph": "C", "pid": ENGINE_PID, "tid": 0, "name": "requests", "ts": ts, "args": {"running": sch.running_after, "waiting": sch.waiting_after}})
         scheduled = {r.req_id for r in sch.scheduled}
         for r in sch.scheduled:
-            arrived.add(r.req_id)
             if r.kind == "resumed":
                 name = f"resumed: recompute {r.num_scheduled_tokens}"
             elif r.is_prefill:
@@ -77,31 +76,34 @@ def to_chrome_trace(run: Run) -> dict:
                            "args": {"tokens": r.num_scheduled_tokens, "computed_before": r.num_computed_tokens, "kind": r.kind}})
         for p in sch.preempted:
             events.append({"ph": "i", "s": "t", "pid": REQUESTS_PID, "tid": tid.get(p.req_id, 9), "name": "preempted", "ts": ts, "args": {"reason": p.reason, "freed_blocks": p.freed_block_ids}})
-        # Requests in the queue this step: arrived (admitted by the driver) but not scheduled.
-        waiting_ids = _waiting(run, s.index, scheduled)
+        # Requests in the queue this step: arrived, not finished, not scheduled.
+        waiting_ids = [rid for rid, (a, z) in lives.items() if a <= s.index <= z and rid not in scheduled]
         for rid in waiting_ids:
             events.append({"ph": "X", "pid": REQUESTS_PID, "tid": tid.get(rid, 9), "name": "waiting", "ts": ts, "dur": dur, "args": {}})
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"run": run.path.name, "pin": run.meta.pin, "model": run.meta.model}}
 
 
-def _waiting(run: Run, index: int, scheduled: set[str]) -> list[str]:
-    """Requests that had arrived and were not finished, yet were not scheduled in this step."""
-    first = {}
-    last = {}
+def _lifetimes(run: Run) -> dict[str, tuple[int, int]]:
+    """(arrival step, last scheduled step) per request that was ever scheduled."""
+    first: dict[str, int] = {}
+    last: dict[str, int] = {}
     for s in run.steps:
         if s.scheduler:
             for r in s.scheduler.scheduled:
                 first.setdefault(r.req_id, s.index)
                 last[r.req_id] = s.index
-    out = []
-    for r in run.meta.requests:
-        rid = r.req_id
-        if rid in scheduled or rid not in first:
-            continue
-        arrival = min(first[rid], r.arrival_step + 1)
-        if arrival <= index <= last[rid]:
-            out.append(rid)
-    return out
+    arrival = {r.req_id: r.arrival_step + 1 for r in run.meta.requests}
+    return {rid: (min(first[rid], arrival.get(rid, first[rid])), last[rid]) for rid in first}
+
+
+def default_export_path(run_dir: Path) -> Path:
+    """Beside the run — except golden traces, which are checked in and stay untouched."""
+    from ..paths import GOLDEN_DIR, RUNS_DIR
+
+    if run_dir.resolve().parent == GOLDEN_DIR.resolve():
+        RUNS_DIR.mkdir(parents=True, exist_ok=True)
+        return RUNS_DIR / f"golden-{run_dir.name}.perfetto.json"
+    return run_dir / "trace.perfetto.json"
 
 
 def export(run: Run, out: Path) -> Path:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from rich.console import Console, Group
+from rich.markup import escape
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
@@ -74,7 +75,7 @@ def _events_cell(step: Step, run: Run) -> Text:
 
 def step_table(run: Run, focus: str | None = None) -> Table:
     col = colors(run)
-    title = f"{run.path.name} — {len(run.steps)} steps"
+    title = escape(f"{run.path.name} — {len(run.steps)} steps")
     table = Table(title=title, title_justify="left", expand=False)
     for c, j in (("step", "right"), ("wait", "right"), ("run", "right"), ("tokens", "right"), ("batch  (N new · R resumed · P prefill tokens · D decode)", "left"), ("KV free", "right"), ("events", "left")):
         table.add_column(c, justify=j, overflow="fold")
@@ -139,10 +140,11 @@ def step_detail(run: Run, step: Step) -> Group:
         for c in ("request", "kind", "tokens", "computed before", "prompt", "output", "phase"):
             t.add_column(c)
         for r in sch.scheduled:
-            t.add_row(r.req_id, r.kind, str(r.num_scheduled_tokens), str(r.num_computed_tokens), str(r.num_prompt_tokens), str(r.num_output_tokens), "prefill" if r.is_prefill else "decode")
+            t.add_row(Text(r.req_id), r.kind, str(r.num_scheduled_tokens), str(r.num_computed_tokens), str(r.num_prompt_tokens), str(r.num_output_tokens), "prefill" if r.is_prefill else "decode")
         parts.append(t)
         for p in sch.preempted:
-            parts.append(Panel(f"[bold red]preempted {p.req_id}[/]: {p.reason}\nfreed blocks {p.freed_block_ids}; {p.num_computed_tokens_lost} computed tokens to recompute", title="preemption", expand=False))
+            body = Text.assemble(("preempted " + p.req_id, "bold red"), f": {p.reason}\nfreed blocks {p.freed_block_ids}; {p.num_computed_tokens_lost} computed tokens to recompute")
+            parts.append(Panel(body, title="preemption", expand=False))
         if sch.finished:
             parts.append(Text(f"finished before this step (blocks freed now): {', '.join(sch.finished)}", style="dim"))
     if step.kv:
@@ -155,14 +157,14 @@ def step_detail(run: Run, step: Step) -> Group:
         t = Table(title=f"model runner (rank {rank})", title_justify="left", show_header=False)
         t.add_column("field", style="bold")
         t.add_column("value", overflow="fold")
-        t.add_row("batch order", " ".join(f"{r}×{n}" for r, n in zip(rr.req_ids, rr.num_scheduled_tokens)))
+        t.add_row("batch order", Text(" ".join(f"{r}×{n}" for r, n in zip(rr.req_ids, rr.num_scheduled_tokens))))
         for name in ("input_ids", "positions", "slot_mapping"):
             v = getattr(rr, name)
             t.add_row(name, str(v.full) if v.full is not None else f"{v.length} values: {v.head} … {v.tail} sha256 {v.sha256[:12]}")
         t.add_row("query_start_loc", str(rr.query_start_loc))
         t.add_row("seq_lens", str(rr.seq_lens))
         t.add_row("logits_indices", str(rr.logits_indices))
-        t.add_row("sampled", ", ".join(f"{k}: {v}" for k, v in rr.sampled_token_ids.items()))
+        t.add_row("sampled", Text(", ".join(f"{k}: {v}" for k, v in rr.sampled_token_ids.items())))
         parts.append(t)
     for rank, a in sorted(step.attention.items()):
         layers = "; ".join(f"{l.layer} {l.kv_cache_shape} {l.kv_cache_dtype}" for l in a.layers)
@@ -215,14 +217,14 @@ def outputs_table(run: Run) -> Table:
         t.add_column(c, overflow="fold")
     col = colors(run)
     for o in run.outputs.requests if run.outputs else []:
-        t.add_row(Text(o.req_id, style=col.get(o.req_id, "")), str(len(o.prompt_token_ids)), str(len(o.token_ids)), o.finish_reason or "", repr(o.text[:60]))
+        t.add_row(Text(o.req_id, style=col.get(o.req_id, "")), str(len(o.prompt_token_ids)), str(len(o.token_ids)), o.finish_reason or "", Text(repr(o.text[:60])))
     return t
 
 
 def show(run: Run, console: Console, step: int | None = None, request: str | None = None) -> None:
     console.print(header(run))
     for w in run.warnings:
-        console.print(f"[yellow]warning:[/] {w}")
+        console.print("[yellow]warning:[/] " + escape(w))
     if step is not None:
         console.print(step_detail(run, run.step(step)))
     elif request is not None:
@@ -235,4 +237,5 @@ def show(run: Run, console: Console, step: int | None = None, request: str | Non
                 console.print(block_grid(run, busiest))
         console.print(outputs_table(run))
     if run.errors:
-        console.print(f"[bold red]{len(run.errors)} probe error(s)[/]: first in {run.errors[0].probe} at step {run.errors[0].step}: {run.errors[0].error}")
+        e = run.errors[0]
+        console.print(f"[bold red]{len(run.errors)} probe error(s)[/]: " + escape(f"first in {e.probe} at step {e.step}: {e.error}"))

@@ -153,9 +153,9 @@ def run_upstream(
     tag = scenario.pin or active_pin_tag()
     check_pin(tag)
     names = _check_capture(capture)
+    model_path = resolve_model(scenario.model)
     if probes:
         check_probes(tag)  # a missing target fails here, before any engine starts
-    model_path = resolve_model(scenario.model)
     kwargs = engine_kwargs(scenario, model_path)
 
     run_dir = Path(run_dir) if run_dir else new_run_dir(scenario.name)

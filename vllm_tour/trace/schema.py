@@ -9,6 +9,14 @@ Steps are counted by the process that owns the decision: the scheduler's step
 is the number of `Scheduler.schedule` calls (1-based); workers count
 `execute_model` calls, which upstream makes exactly once per schedule call.
 
+Request ids are the user's (scenario) ids: upstream's "-<8 hex>" suffix is
+stripped. Block ids are physical block ids of the first KV-cache group; block 0
+is upstream's null block and never belongs to a request.
+
+Upstream probes write the hot records (scheduler, kv, runner, attention) as
+plain dicts with exactly these fields (cheaper than building models); the
+reader validates every line against these classes.
+
 Bump SCHEMA_VERSION on any change that an old reader would misread.
 """
 
@@ -73,7 +81,7 @@ class SchedulerRecord(_Record):
     max_num_seqs: int
     scheduled: list[ScheduledRequest]
     preempted: list[Preemption]
-    finished: list[str]  # finished since the previous step (freed in this step)
+    finished: list[str]  # finished since the previous step (their blocks show in this step's kv.freed)
 
 
 # --- KV-cache manager / block pool -------------------------------------------
@@ -93,7 +101,9 @@ class KVRecord(_Record):
     usage: float  # fraction of the pool in use, as upstream reports it
     block_tables: dict[str, list[int]]  # req_id -> physical block ids, after this step's allocation
     allocated: dict[str, list[int]]  # req_id -> blocks newly given this step
-    freed: list[int]  # block ids returned to the free list this step
+    # Block ids returned to the free list since the previous KV record: preemptions
+    # of this step, and requests that finished after the previous step.
+    freed: list[int]
     evicted: list[int]  # cached blocks whose hash was dropped to reuse them
     prefix_hits: list[PrefixHit]
     prefix_caching: bool
@@ -142,7 +152,7 @@ class AttentionRecord(_Record):
     num_reqs: int
     seq_lens: list[int]
     query_lens: list[int]
-    block_table: list[list[int]]  # rows the backend received (trailing zeros trimmed)
+    block_table: list[list[int]]  # rows the backend received, batch order (trailing zeros = null block trimmed)
     layers: list[AttentionLayer]  # only layers whose shape/dtype differ from the first are listed after it
 
 
@@ -192,7 +202,7 @@ class RequestSpec(BaseModel):
     max_tokens: int
     temperature: float = 0.0
     seed: int | None = None
-    arrival_step: int = 0
+    arrival_step: int = 0  # added before the driver's step with this index: 0 -> scheduled from step 1
 
 
 class RunMeta(BaseModel):

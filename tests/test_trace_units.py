@@ -1,0 +1,67 @@
+"""Small pieces of the trace path that need no engine: env allow-list, id mapping, reader edge cases."""
+
+import json
+import shutil
+
+import pytest
+
+from vllm_tour.errors import TourError
+from vllm_tour.paths import GOLDEN_DIR
+from vllm_tour.trace.reader import load_run
+from vllm_tour.trace.run import env_allow_list
+from vllm_tour.trace.writer import parse_steps, user_req_id
+
+
+def test_env_allow_list_keeps_engine_knobs_and_drops_secrets(monkeypatch):
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    monkeypatch.setenv("VLLM_API_KEY", "sk-secret")
+    monkeypatch.setenv("HF_TOKEN", "hf_secret")
+    monkeypatch.setenv("VLLM_S3_PASSWORD", "x")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "x")
+    env = env_allow_list()
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0|1" and env["OMP_NUM_THREADS"] == "2"
+    assert not {"VLLM_API_KEY", "HF_TOKEN", "VLLM_S3_PASSWORD", "AWS_SECRET_ACCESS_KEY"} & env.keys()
+
+
+def test_golden_meta_holds_no_secrets():
+    for meta in GOLDEN_DIR.glob("*/meta.json"):
+        text = meta.read_text()
+        assert "sk-" not in text and "hf_" not in text
+
+
+def test_user_request_ids_drop_upstreams_suffix():
+    assert user_req_id("r0-1a2b3c4d") == "r0"
+    assert user_req_id("my-req-deadbeef-0123abcd") == "my-req-deadbeef"
+    assert user_req_id("plain") == "plain"
+
+
+def test_parse_steps():
+    assert parse_steps("1-3,7") == {1, 2, 3, 7} and parse_steps("") is None
+
+
+def test_a_corrupt_line_in_the_middle_is_an_error(tmp_path):
+    run = shutil.copytree(GOLDEN_DIR / "single", tmp_path / "single")
+    f = next(run.glob("records.*.jsonl"))
+    lines = f.read_text().splitlines()
+    lines[3] = lines[3][:20]
+    f.write_text("\n".join(lines) + "\n")
+    with pytest.raises(TourError, match=r"records\.0\.jsonl:4: not a trace record"):
+        load_run(run)
+
+
+def test_missing_or_broken_meta_is_an_error(tmp_path):
+    with pytest.raises(TourError, match="not a vllm-tour run directory"):
+        load_run(tmp_path)
+    (tmp_path / "meta.json").write_text("{")
+    with pytest.raises(TourError, match="cannot read"):
+        load_run(tmp_path)
+
+
+def test_newer_schema_is_refused(tmp_path):
+    run = shutil.copytree(GOLDEN_DIR / "single", tmp_path / "single")
+    meta = json.loads((run / "meta.json").read_text())
+    meta["schema_version"] = 99
+    (run / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(TourError, match="trace schema 99"):
+        load_run(run)
