@@ -42,8 +42,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Qwen3:
-    def __init__(self, model_dir: str | Path):
+    def __init__(self, model_dir: str | Path, attention=paged_attention):
         model_dir = Path(model_dir)
+        # Any callable with paged_attention's signature: reimpl/triton_attn.py's
+        # engine_attention swaps the torch loop for a Triton kernel.
+        self.attention = attention
         self.cfg = json.loads((model_dir / "config.json").read_text())
         self.w = {k: v.float() for k, v in load_file(str(model_dir / "model.safetensors")).items()}
         c = self.cfg
@@ -76,7 +79,7 @@ class Qwen3:
             # Qwen3's twist on Qwen2: RMSNorm each head's q and k before RoPE.
             q = apply_rope(rms_norm(q, w[p + "self_attn.q_norm.weight"], self.eps), cos, sin)
             k = apply_rope(rms_norm(k, w[p + "self_attn.k_norm.weight"], self.eps), cos, sin)
-            attn = paged_attention(q, k, v, caches[i], meta)
+            attn = self.attention(q, k, v, caches[i], meta)
             self.last_attn_out[i] = attn
             x = x + attn @ w[p + "self_attn.o_proj.weight"].T
             h = rms_norm(x, w[p + "post_attention_layernorm.weight"], self.eps)

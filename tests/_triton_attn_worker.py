@@ -17,22 +17,19 @@ import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-COMPARE_MODE = len(sys.argv) == 3 and sys.argv[1] == "compare"
-if not COMPARE_MODE:
-    # Triton reads this when @triton.jit decorates, i.e. at first import of
-    # reimpl.triton_attn. (Compare mode sets it later: see compare_engine.)
-    os.environ["TRITON_INTERPRET"] = "1"
-    # vLLM's triton_utils disables Triton when it sees != 1 active GPU driver,
-    # except in a "distributed" environment where CUDA_VISIBLE_DEVICES is set
-    # but empty. On a CPU host that is the switch that lets its kernels load.
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+# Triton reads this when @triton.jit decorates, i.e. at first import of
+# reimpl.triton_attn.
+os.environ["TRITON_INTERPRET"] = "1"
+# vLLM's triton_utils disables Triton when it sees != 1 active GPU driver,
+# except in a "distributed" environment where CUDA_VISIBLE_DEVICES is set
+# but empty. On a CPU host that is the switch that lets its kernels load.
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 import torch  # noqa: E402
 
 from reimpl.attn_reference import make_paged_inputs, paged_attention_reference  # noqa: E402
 
-if not COMPARE_MODE:
-    from reimpl.triton_attn import LaunchConfig, paged_attention
+from reimpl.triton_attn import LaunchConfig, paged_attention  # noqa: E402
 
 TOL = {  # (atol, rtol) per dtype; bf16/fp16 as vLLM's kernel tests use
     torch.float32: (1e-4, 1e-4),
@@ -55,7 +52,7 @@ CASES = {
 }
 # Launch configs beyond the default: q-blocks of several tokens (decode rows
 # then mix with padding rows), and tiles smaller than / straddling pages.
-EXTRA_CONFIGS = [] if COMPARE_MODE else [LaunchConfig(4, 16, 4, 1), LaunchConfig(2, 64, 4, 1)]
+EXTRA_CONFIGS = [LaunchConfig(4, 16, 4, 1), LaunchConfig(2, 64, 4, 1)]
 
 
 def diff(a, b, dtype):
@@ -107,42 +104,7 @@ def run_upstream(unified_attention, inp):
     return out
 
 
-def compare_engine(scenario: str) -> dict:
-    """The mini engine (reimpl/engine.py) with its attention swapped for this
-    kernel, diffed by the compare harness against upstream's captured
-    per-layer attention outputs (attn_out.layers.<i>) on one scenario.
-
-    Uses the harness's public ``compare`` with the paged_attn sections
-    (tokens, scheduler/KV/runner decisions, attention metadata, tensors): the
-    engine is the same, only attention changed, so all must still agree.
-    """
-    from vllm_tour.compare import harness
-    from vllm_tour.scenario import load_scenario
-
-    # Upstream first, in a clean environment (its engine processes inherit
-    # os.environ): cached per scenario by the harness.
-    run_dir = harness.upstream_run_for(load_scenario(scenario))
-    os.environ["TRITON_INTERPRET"] = "1"  # before reimpl.triton_attn is imported
-    import reimpl.qwen3 as qwen3
-    from reimpl.triton_attn import engine_attention
-
-    qwen3.paged_attention = engine_attention  # qwen3.forward looks it up per call
-    r = harness.compare("reimpl.paged_attn", scenario, upstream_run=run_dir, tensors=True)
-    att = [t for t in r.tensors if t.name.startswith("attn_out.")]
-    return dict(
-        clean=r.clean,
-        divergences=[d.to_json() for d in r.divergences[:5]],
-        attn_tensors=len(att),
-        attn_max_abs=max((t.max_abs for t in att), default=None),
-        attn_ok=all(t.ok for t in att),
-        bad=[t.to_json() for t in r.bad_tensors[:5]],
-    )
-
-
 def main():
-    if COMPARE_MODE:
-        json.dump(compare_engine(sys.argv[2]), sys.stdout, default=str)
-        return
     res = {"vs_reference": {}, "configs": {}, "vs_upstream": {}}
     t0 = time.time()
     for case in CASES:

@@ -246,7 +246,7 @@ def export(
 
 @app.command()
 def compare(
-    module: str = typer.Argument(..., help="reimpl.paged_attn or reimpl.chunked_prefill."),
+    module: str = typer.Argument(..., help="reimpl.paged_attn, reimpl.chunked_prefill or reimpl.triton_attn (the mini engine with the Triton kernel; interpreted on CPU)."),
     scenario: Optional[Path] = typer.Option(None, "--scenario", help="Scenario TOML to compare on."),
     all_scenarios: bool = typer.Option(False, "--all-scenarios", help="Every scenario in traces/scenarios/ the reimpl can run."),
     explain: bool = typer.Option(False, "--explain", help="At the first divergence, print both sides' state (queues, budgets, block tables)."),

@@ -177,6 +177,8 @@ SECTIONS = {
     # what each compared module is judged on (all share tokens)
     "reimpl.chunked_prefill": ("scheduler", "kv", "runner"),
     "reimpl.paged_attn": ("scheduler", "kv", "runner", "attention"),
+    # the mini engine with reimpl/triton_attn.py's kernel as its attention
+    "reimpl.triton_attn": ("scheduler", "kv", "runner", "attention"),
 }
 
 

@@ -22,7 +22,9 @@ from ..paths import RUNS_DIR, SCENARIOS_DIR
 from . import diffs
 from .diffs import Divergence, TensorStat
 
-MODULES = tuple(diffs.SECTIONS)  # reimpl.chunked_prefill, reimpl.paged_attn
+MODULES = tuple(diffs.SECTIONS)  # reimpl.chunked_prefill, reimpl.paged_attn, reimpl.triton_attn
+# Modules judged on tensors too (attention outputs, KV blocks written).
+TENSOR_MODULES = ("reimpl.paged_attn", "reimpl.triton_attn")
 CACHE_DIR = RUNS_DIR / "compare-cache"
 CAPTURES = ["attn_out", "kv_blocks"]
 CACHE_VERSION = 1  # bump when what we ask of upstream changes
@@ -120,10 +122,34 @@ def applicable(scenario) -> str | None:
 def check_module(module: str) -> None:
     if module not in MODULES:
         raise TourError(f"unknown module {module!r} (known: {', '.join(MODULES)})")
+    if module == "reimpl.triton_attn":
+        _use_triton_interpreter_without_gpu()
     try:
         importlib.import_module(module)
     except Exception as e:  # a learner's broken module: could not run
         raise TourError(f"cannot import {module}: {type(e).__name__}: {e}") from None
+
+
+def _use_triton_interpreter_without_gpu() -> None:
+    """Triton reads TRITON_INTERPRET when a kernel is decorated, i.e. at import:
+    set it before reimpl.triton_attn is first imported. vLLM's CPU engine runs
+    no Triton kernel, so the upstream side is unaffected."""
+    import os
+
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _engine_factory_for(module: str) -> Callable | None:
+    if module != "reimpl.triton_attn":
+        return None
+    from reimpl.engine import Engine
+    from reimpl.qwen3 import Qwen3
+    from reimpl.triton_attn import engine_attention
+
+    return lambda cfg: Engine(cfg, model=Qwen3(cfg.model_dir, attention=engine_attention))
 
 
 # --- upstream side -----------------------------------------------------------------------
@@ -331,7 +357,8 @@ def compare(module: str, scenario_path: Path | str, *, fresh: bool = False, upst
     if errors:
         raise TourError(f"upstream run {run_dir} has probe errors (first: {errors[0]['probe']}: {errors[0]['error']})")
     if tensors is None:
-        tensors = module == "reimpl.paged_attn"
+        tensors = module in TENSOR_MODULES
+    engine_factory = engine_factory or _engine_factory_for(module)
     collected: list = []
     crash: Divergence | None = None
     try:
@@ -377,7 +404,7 @@ def compare(module: str, scenario_path: Path | str, *, fresh: bool = False, upst
     result = CompareResult(module, scenario.name, str(scenario_path), str(run_dir), len(up_steps), len(re_steps),
                            tokens, divs, tstats, notes)
     if not tensors:
-        result.notes.append("tensors not compared for this module (use reimpl.paged_attn)")
+        result.notes.append("tensors not compared for this module (use reimpl.paged_attn or reimpl.triton_attn)")
     if explain or not result.clean:
         result.explain = _explain(result, up_steps, re_steps, re_state)
     result.duration_s = time.perf_counter() - t0
