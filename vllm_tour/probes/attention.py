@@ -17,18 +17,19 @@ PINS = ("v0.32.0",)
 CPU_ATTN = "vllm.v1.attention.backends.cpu_attn"
 
 
-def _trim_rows(table) -> list[list[int]]:
+def _trim_rows(table: np.ndarray) -> list[list[int]]:
     """Block-table rows without their trailing zeros.
 
     Rows are padded with 0, upstream's null block, which no request owns. Done
     in numpy: this runs every step over max_num_reqs x max_blocks entries.
     """
-    bt = table.cpu().numpy()
+    bt = table
     if bt.size == 0:
         return [[] for _ in range(bt.shape[0])]
     nonzero = bt != 0
     widths = np.where(nonzero.any(axis=1), bt.shape[1] - np.argmax(nonzero[:, ::-1], axis=1), 0)
-    return [row[:w] for row, w in zip(bt.tolist(), widths.tolist())]
+    rows = bt[:, : int(widths.max())].tolist()  # convert only the used columns
+    return [row[:w] for row, w in zip(rows, widths.tolist())]
 
 
 def _layers(builder) -> list[dict]:
@@ -55,8 +56,9 @@ def _build_after(token, md, self, common_prefix_len, common_attn_metadata, *a, *
         return  # warm-up and dummy runs are not engine steps
     num_reqs = common_attn_metadata.num_reqs
     n = md.num_actual_tokens
-    qsl = md.query_start_loc[: num_reqs + 1].tolist()
-    slots = md.slot_mapping[:n].tolist()
+    # CPU backend: the tensors live in host memory; numpy views slice far cheaper than torch.
+    qsl = md.query_start_loc.numpy()[: num_reqs + 1].tolist()
+    slots = md.slot_mapping.numpy()[:n].tolist()
     if R.runner_pending is not None:
         R.runner_pending["slot_mapping"] = int_list(slots)
     capture.note_slots(slots)
@@ -68,9 +70,9 @@ def _build_after(token, md, self, common_prefix_len, common_attn_metadata, *a, *
             "backend": type(self).__name__.removesuffix("MetadataBuilder"),
             "layout": _layout(self),
             "num_reqs": num_reqs,
-            "seq_lens": md.seq_lens[:num_reqs].tolist(),
+            "seq_lens": md.seq_lens.numpy()[:num_reqs].tolist(),
             "query_lens": [b - a for a, b in zip(qsl, qsl[1:])],
-            "block_table": _trim_rows(md.block_table[:num_reqs]),
+            "block_table": _trim_rows(md.block_table.numpy()[:num_reqs]),
             "layers": _layers(self),
         }
     )

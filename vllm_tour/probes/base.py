@@ -17,10 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..errors import TourError
-
-# Set by tests to prove a failing probe leaves the engine alone: the named
-# probe's `before` raises on every call.
-FAULT_ENV = "VLLM_TOUR_FAULT"
+from ..trace.writer import FAULT_ENV  # tests set it to make the named probe raise on every call
 _SKIP = object()  # `before` failed: skip `after` for this call
 
 

@@ -27,36 +27,30 @@ def _block_ids(blocks) -> list[int]:
 
 
 def new_step_scratch() -> dict:
-    return {"allocated": {}, "hits": []}
+    return {"hits": []}
 
 
 # --- allocate_slots: new blocks, prefix hits, failures ---------------------------------
 
 
 def _alloc_after(token, result, self, request, num_new_tokens, num_new_computed_tokens=0, new_computed_blocks=None, *a, **kw):
-    # After-only (it runs for every request every step): a failed allocation
-    # returns before touching the pool, so the free count read now is the one
-    # it failed against.
-    rid = user_req_id(request.request_id)
+    # This runs for every scheduled request every step, so it does the least it
+    # can: new blocks are found by kv_record() diffing block tables; here only
+    # prefix-cache hits and failures (a failed allocation returns before it
+    # touches the pool, so the free count read now is the one it failed against).
     if result is None:
+        rid = user_req_id(request.request_id)
         R.last_alloc_failure = {"req_id": rid, "num_tokens": num_new_tokens, "free_blocks": self.block_pool.get_num_free_blocks()}
-        return
-    scratch = R.kv_step
-    if scratch is None:
-        return  # allocation outside schedule(): not a step decision
-    groups = result.blocks
-    if groups and groups[0]:
-        scratch["allocated"].setdefault(rid, []).extend(b.block_id for b in groups[0])
-    if num_new_computed_tokens:
-        hit = {"req_id": rid, "num_hit_tokens": num_new_computed_tokens, "block_ids": _block_ids(new_computed_blocks)}
-        scratch["hits"].append(hit)  # a schema.PrefixHit
+    elif num_new_computed_tokens and R.kv_step is not None:
+        hit = {"req_id": user_req_id(request.request_id), "num_hit_tokens": num_new_computed_tokens, "block_ids": _block_ids(new_computed_blocks)}
+        R.kv_step["hits"].append(hit)  # a schema.PrefixHit
 
 
 allocate_slots = Probe(
     name="kv.allocate_slots",
     target=f"{KVM}.allocate_slots",
     params=("self", "request", "num_new_tokens", "num_new_computed_tokens", "new_computed_blocks"),
-    records="blocks newly given to a request, prefix-cache hits (tokens, reused block ids), failed allocations",
+    records="prefix-cache hits (tokens, reused block ids) and failed allocations (the reason behind a preemption)",
     pins=PINS,
     after=_alloc_after,
 )
@@ -90,13 +84,9 @@ free = Probe(
 # --- eviction of cached blocks ------------------------------------------------------------
 
 
-def _evict_before(self, block, *a, **kw):
-    return block.block_id
-
-
-def _evict_after(block_id, evicted, self, block, *a, **kw):
+def _evict_after(token, evicted, self, block, *a, **kw):
     if evicted:
-        R.kv_pending_evicted.append(block_id)
+        R.kv_pending_evicted.append(block.block_id)
 
 
 evict = Probe(
@@ -105,7 +95,6 @@ evict = Probe(
     params=("self", "block"),
     records="cached blocks whose hash is dropped so they can be reused (evictions)",
     pins=PINS,
-    before=_evict_before,
     after=_evict_after,
 )
 
@@ -122,6 +111,23 @@ def kv_record(scheduler, step: int, scratch: dict) -> dict:
         for rid, blocks in list(manager.req_to_blocks.items())
         if blocks
     }
+    hit_ids = {h["req_id"]: h["block_ids"] for h in scratch["hits"]}
+    prev, R.kv_prev_tables = R.kv_prev_tables, tables
+    allocated = {}
+    for rid, ids in tables.items():
+        old = prev.get(rid)
+        if old is None:  # new, or resumed after preemption: all but the reused blocks are new
+            reused = hit_ids.get(rid, ())
+            new = [b for b in ids if b not in reused]
+        elif len(ids) == len(old) and ids[-1] == old[-1]:
+            continue  # the common decode step: nothing changed
+        elif ids[: len(old)] == old:
+            new = ids[len(old) :]
+        else:  # blocks replaced in place (not seen with full attention)
+            seen = set(old)
+            new = [b for b in ids if b not in seen]
+        if new:
+            allocated[rid] = new
     freed, R.kv_pending_freed = R.kv_pending_freed, []
     evicted, R.kv_pending_evicted = R.kv_pending_evicted, []
     return {  # a schema.KVRecord, as a dict (see Recorder.write)
@@ -133,7 +139,7 @@ def kv_record(scheduler, step: int, scratch: dict) -> dict:
         "free_blocks": pool.get_num_free_blocks(),
         "usage": round(pool.get_usage(), 6),
         "block_tables": tables,
-        "allocated": scratch["allocated"],
+        "allocated": allocated,
         "freed": freed,
         "evicted": evicted,
         "prefix_hits": scratch["hits"],

@@ -65,7 +65,8 @@ def _flush(output) -> None:
     ids = getattr(output, "req_ids", None)
     tokens = getattr(output, "sampled_token_ids", None)
     if ids and isinstance(tokens, list):  # async outputs are not read: that would sync
-        sampled = {user_req_id(r): [int(t) for t in tok] for r, tok in zip(ids, tokens)}
+        # Encoded before this hook returns, so no reference into the output outlives it.
+        sampled = dict(zip(map(user_req_id, ids), tokens))
     req_ids = p.get("req_ids", [])
     R.write(  # a schema.RunnerRecord, as a dict (see Recorder.write)
         {
@@ -73,8 +74,8 @@ def _flush(output) -> None:
             "proc": R.proc_dict("worker"),
             "kind": "runner",
             "num_tokens": p["num_tokens"],
-            "req_ids": [user_req_id(r) for r in req_ids],
-            "num_scheduled_tokens": [p["sched"][r] for r in req_ids],
+            "req_ids": list(map(user_req_id, req_ids)),
+            "num_scheduled_tokens": list(map(p["sched"].__getitem__, req_ids)),
             "input_ids": p.get("input_ids") or int_list([]),
             "positions": p.get("positions") or int_list([]),
             "query_start_loc": p.get("query_start_loc", []),

@@ -29,38 +29,37 @@ def _schedule_before(self, *a, **kw):
     return time.perf_counter(), running, waiting, running_ids
 
 
-def _prefill_end(req) -> int:
-    # Upstream's own boundary: a resumed request replays its output tokens too.
-    return max(req.num_prompt_tokens, req.num_tokens - 1)
-
-
 def _scheduled(self, out, running_before: set[str]) -> list[dict]:
+    """One schema.ScheduledRequest (as a dict) per scheduled request, new ones first.
+
+    Written for speed (it runs for every request every step).
+    """
     rows = []
     cached = out.scheduled_cached_reqs
+    n_sched = out.num_scheduled_tokens
+    requests = self.requests
     entries = [(nr.req_id, nr.num_computed_tokens, False) for nr in out.scheduled_new_reqs]
-    resumed_ids = getattr(cached, "resumed_req_ids", set())
-    entries += [
-        (rid, cached.num_computed_tokens[i], rid in resumed_ids)
-        for i, rid in enumerate(cached.req_ids)
-    ]
+    resumed_ids = getattr(cached, "resumed_req_ids", ())
+    entries += zip(cached.req_ids, cached.num_computed_tokens, [rid in resumed_ids for rid in cached.req_ids])
     for rid, computed, resumed in entries:
-        req = self.requests[rid]
-        n = out.num_scheduled_tokens[rid]
+        req = requests[rid]
         if resumed or (rid not in running_before and req.num_preemptions > 0):
             kind = "resumed"
         elif rid in running_before:
             kind = "running"
         else:
             kind = "new"
-        rows.append(  # fields of schema.ScheduledRequest
+        prompt = req.num_prompt_tokens
+        rows.append(
             {
                 "req_id": user_req_id(rid),
                 "kind": kind,
-                "num_scheduled_tokens": n,
+                "num_scheduled_tokens": n_sched[rid],
                 "num_computed_tokens": computed,
-                "num_prompt_tokens": req.num_prompt_tokens,
+                "num_prompt_tokens": prompt,
                 "num_output_tokens": req.num_output_tokens,
-                "is_prefill": computed < _prefill_end(req),
+                # Upstream's own prefill boundary: a resumed request replays its outputs too.
+                "is_prefill": computed < max(prompt, req.num_tokens - 1),
             }
         )
     return rows

@@ -52,6 +52,11 @@ def to_chrome_trace(run: Run) -> dict:
     for rid in ids:
         events.append(_meta(REQUESTS_PID, tid[rid], "thread_name", f"request {rid}"))
     lives = _lifetimes(run)
+    reasons = {o.req_id: o.finish_reason for o in run.outputs.requests} if run.outputs else {}
+    ends: dict[int, list[str]] = {}
+    for rid, (_, last) in lives.items():
+        if rid in reasons:
+            ends.setdefault(last, []).append(rid)
     for s, (ts, dur) in zip(run.steps, _step_times(run)):
         sch, kv = s.scheduler, s.kv
         args = {"step": s.index}
@@ -74,6 +79,8 @@ def to_chrome_trace(run: Run) -> dict:
                 name = "decode"
             events.append({"ph": "X", "pid": REQUESTS_PID, "tid": tid.get(r.req_id, 9), "name": name, "ts": ts, "dur": dur,
                            "args": {"tokens": r.num_scheduled_tokens, "computed_before": r.num_computed_tokens, "kind": r.kind}})
+        for rid in ends.get(s.index, []):
+            events.append({"ph": "i", "s": "t", "pid": REQUESTS_PID, "tid": tid.get(rid, 9), "name": "finished", "ts": ts + dur, "args": {"finish_reason": reasons.get(rid)}})
         for p in sch.preempted:
             events.append({"ph": "i", "s": "t", "pid": REQUESTS_PID, "tid": tid.get(p.req_id, 9), "name": "preempted", "ts": ts, "args": {"reason": p.reason, "freed_blocks": p.freed_block_ids}})
         # Requests in the queue this step: arrived, not finished, not scheduled.

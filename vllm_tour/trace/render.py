@@ -55,14 +55,29 @@ def _batch_cell(step: Step, col: dict[str, str], focus: str | None) -> Text:
     return t
 
 
-def _events_cell(step: Step, run: Run) -> Text:
+def last_steps(run: Run) -> dict[int, list[str]]:
+    """Step index -> requests whose last token was computed in that step (finished ones only)."""
+    last: dict[str, int] = {}
+    for s in run.steps:
+        if s.scheduler:
+            for r in s.scheduler.scheduled:
+                last[r.req_id] = s.index
+    done = {o.req_id: o.finish_reason for o in run.outputs.requests} if run.outputs else {}
+    out: dict[int, list[str]] = {}
+    for rid, idx in last.items():
+        if rid in done:
+            out.setdefault(idx, []).append(f"{rid} ({done[rid]})")
+    return out
+
+
+def _events_cell(step: Step, run: Run, finishing: list[str] = ()) -> Text:
     t = Text()
     s = step.scheduler
     if s:
         for p in s.preempted:
             t.append(f"PREEMPT {p.req_id} ", style="bold red")
-        for rid in s.finished:
-            t.append(f"done {rid} ", style="dim")
+    for f in finishing:
+        t.append(f"finish {f} ", style="bold")
     if step.kv:
         for h in step.kv.prefix_hits:
             t.append(f"hit {h.req_id}:{h.num_hit_tokens}t ", style="bold green")
@@ -79,6 +94,7 @@ def step_table(run: Run, focus: str | None = None) -> Table:
     table = Table(title=title, title_justify="left", expand=False)
     for c, j in (("step", "right"), ("wait", "right"), ("run", "right"), ("tokens", "right"), ("batch  (N new · R resumed · P prefill tokens · D decode)", "left"), ("KV free", "right"), ("events", "left")):
         table.add_column(c, justify=j, overflow="fold")
+    finishing = last_steps(run)
     for s in run.steps:
         if focus and not _involves(s, focus):
             continue
@@ -90,7 +106,7 @@ def step_table(run: Run, focus: str | None = None) -> Table:
             f"{sch.tokens_scheduled}/{sch.token_budget}" if sch else "",
             _batch_cell(s, col, focus),
             f"{kv.free_blocks}/{kv.num_blocks}" if kv else "",
-            _events_cell(s, run),
+            _events_cell(s, run, finishing.get(s.index, [])),
         )
     return table
 

@@ -17,7 +17,7 @@ import gc
 import os
 import platform
 import re
-import sys
+import shutil
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -164,6 +164,7 @@ def run_upstream(
         (run_dir / stale).unlink(missing_ok=True)
     for old in run_dir.glob("records.*.jsonl"):
         old.unlink()
+    shutil.rmtree(run_dir / "captures", ignore_errors=True)  # a rerun into the same dir starts clean
 
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0", PIN_ENV: tag}
     if scenario.engine.tensor_parallel_size > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:

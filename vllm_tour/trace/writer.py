@@ -60,6 +60,7 @@ class Recorder:
         self.rank = 0
         self.kv_step = None  # scratch for the KV record of the step being scheduled
         self.kv_pending_freed: list[int] = []
+        self.kv_prev_tables: dict[str, list[int]] = {}  # block tables of the previous KV record
         self.kv_pending_evicted: list[int] = []
         self.last_alloc_failure: dict | None = None
         self.preempted: list = []
@@ -111,14 +112,14 @@ class Recorder:
         if self._file is None:
             assert self.run_dir is not None
             path = self.run_dir / f"records.{os.getpid()}.jsonl"
-            # Line-buffered append: each record is one complete line on disk as
-            # soon as it is written, so a killed run leaves a readable trace.
-            self._file = open(path, "a", buffering=1, encoding="utf-8")
+            # Unbuffered append, one write() per record: each record reaches the
+            # file as a whole line at once, so a killed run leaves a readable trace.
+            self._file = open(path, "ab", buffering=0)
         if isinstance(record, dict):
-            line = json.dumps(record, separators=(",", ":"), ensure_ascii=False)
+            line = _encode(record)
         else:
-            line = record.model_dump_json()
-        self._file.write(line + "\n")
+            line = record.model_dump_json().encode()
+        self._file.write(line + b"\n")
 
     def probe_error(self, probe, error: Exception, tb: str) -> None:
         try:
@@ -143,6 +144,16 @@ class Recorder:
         if base not in self.capture:
             return False
         return self.capture_steps is None or step in self.capture_steps
+
+
+try:  # msgspec (a vLLM dependency) encodes a 64-request record ~10x faster than json
+    import msgspec
+
+    _encode = msgspec.json.Encoder().encode
+except ImportError:  # pragma: no cover
+
+    def _encode(record: dict) -> bytes:
+        return json.dumps(record, separators=(",", ":"), ensure_ascii=False).encode()
 
 
 RECORDER = Recorder()
