@@ -47,6 +47,8 @@ def test_show_request_follows_one_request():
         (("trace", "-r", "hi", "--block-size", "16"), "multiple of 32"),
         (("trace", "-r", "hi", "--pin", "v0.0.1"), "no pin 'v0.0.1'"),
         (("trace", "-r", "hi", "--model", "Nope-7B"), "Nope-7B"),
+        # no hub here: a real model name says where it looked and suggests the tiny default
+        (("trace", "-r", "hi", "--model", "Qwen3-0.6B"), "models--Qwen--Qwen3-0.6B"),
     ],
 )
 def test_errors_are_one_line_with_exit_2(args, message):
@@ -55,6 +57,13 @@ def test_errors_are_one_line_with_exit_2(args, message):
     err = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert len(err) == 1 and message in err[0], r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_a_failed_trace_leaves_no_run_directory(tmp_path):
+    out = tmp_path / "run"
+    r = cli("trace", "-r", "hi", "--model", "Qwen3-0.6B", "--out", str(out))
+    assert r.returncode == 2 and "try --model tiny-qwen3" in r.stderr
+    assert not out.exists()
 
 
 def test_help_teaches():
