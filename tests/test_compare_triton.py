@@ -42,3 +42,15 @@ def test_a_kernel_off_by_0_1_percent_is_caught(tmp_path):
     assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
     bad = report["scenarios"][0]["first_tensor_out_of_tolerance"]
     assert bad["name"].startswith("attn_out.layers.") and bad["step"] == 1
+
+
+def test_in_a_process_that_already_imported_triton_it_says_so(monkeypatch):
+    import pytest
+    import triton  # noqa: F401  (as vLLM's import does, before any compare)
+
+    from vllm_tour.compare import harness
+    from vllm_tour.errors import TourError
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(TourError, match="set TRITON_INTERPRET=1 before Python starts"):
+        harness.check_module("reimpl.triton_attn")

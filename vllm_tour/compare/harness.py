@@ -135,11 +135,17 @@ def _use_triton_interpreter_without_gpu() -> None:
     set it before reimpl.triton_attn is first imported. vLLM's CPU engine runs
     no Triton kernel, so the upstream side is unaffected."""
     import os
+    import sys
 
     import torch
 
-    if not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    if "triton" in sys.modules:  # Triton fixes its mode when first imported
+        raise TourError("reimpl.triton_attn needs the Triton interpreter on a machine without a GPU, but Triton "
+                        "was already imported in this process without it: set TRITON_INTERPRET=1 before Python "
+                        "starts (the vllm-tour command does this itself)")
+    os.environ["TRITON_INTERPRET"] = "1"
 
 
 def _engine_factory_for(module: str) -> Callable | None:
