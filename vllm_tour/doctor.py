@@ -62,11 +62,14 @@ def run_checks(pin: Pin, vllm_root: Path | None = None) -> list[Check]:
                                 inst.version == pin.version and (dist is None or inst.dist == dist.dist)))
         root = vllm_root or inst.path
         digest, nfiles = source_digest(root)
+        carried = dist is not None and dist.carried_source_digest is not None and digest == dist.carried_source_digest
+        found = f"{digest} ({nfiles} files)" + (f"; the carried payload: {dist.carried_note}" if carried else "")
         checks.append(Check("vLLM source digest", f"{pin.source_digest} ({pin.source_files} files)",
-                            f"{digest} ({nfiles} files)", digest == pin.source_digest))
+                            found, digest == pin.source_digest or carried))
     tv = torch_version() or "not installed"
     want_torch = dist.torch if dist and dist.torch else pin.torch
-    checks.append(Check("torch", want_torch, tv, tv == want_torch))
+    # A pin without a local version ("2.11.0") accepts any build of it ("2.11.0+cu130").
+    checks.append(Check("torch", want_torch, tv, tv == want_torch or ("+" not in want_torch and tv.split("+")[0] == want_torch)))
     want_plat = ", ".join(sorted(pin.distributions))
     checks.append(Check("platform", want_plat, plat, plat in pin.distributions))
     if dist is not None and dist.status != "tested":

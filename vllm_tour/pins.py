@@ -35,6 +35,11 @@ class Distribution(BaseModel):
     torch: str | None = None
     status: str = "tested"  # "tested" | "untested"
     note: str | None = None
+    # A trimmed copy of the release carried to a machine without a package index (the GPU
+    # payload of shared/gpu/cuda-engine leaves out vllm/third_party/deep_gemm): its digest.
+    carried_source_digest: str | None = None
+    carried_source_files: int | None = None
+    carried_note: str | None = None
 
 
 class Pin(BaseModel):

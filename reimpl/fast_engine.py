@@ -1,0 +1,445 @@
+"""The mini engine's *performance path*: same decisions, GPU-shaped execution.
+
+`reimpl/engine.py` is written to be read and diffed: every step it builds
+trace records, keeps fp32 weights on the CPU and attends request by request.
+This file keeps everything that *decides* -- the same `Scheduler`
+(chunked_prefill.py), `KVCacheManager` and `BlockPool` objects, so batch
+composition, chunking, block ids, prefix hits and preemptions are exactly the
+mini engine's -- and changes only how a step is *executed*, the way a real
+engine's model runner does:
+
+- weights on the GPU in bf16, with the projections that read the same input
+  fused into one matmul (q|k|v, gate|up), as upstream's `QKVParallelLinear` /
+  `MergedColumnParallelLinear` do;
+- one persistent KV cache per layer, [num_blocks, block_size, kv_heads,
+  head_dim], written through the slot mapping and read by the Triton kernel
+  of `reimpl/triton_attn.py` (any `attn_fn` with the same signature works:
+  the CPU tests use `reimpl/attn_reference.py`);
+- the step's inputs built once per step with numpy from a persistent
+  block-table array (upstream `vllm.v1.worker.block_table.BlockTable`), copied
+  to the device in one go;
+- logits only for the rows that sample (upstream `logits_indices`), sampling
+  batched on the device;
+- CUDA graphs for pure-decode steps (upstream `CUDAGraphWrapper` /
+  nano-vllm's `capture_cudagraph`): the forward for a padded batch size is
+  captured once and replayed; padding tokens write slot 0 of the null block
+  (block 0, which no request owns) and attend one key of it; their outputs
+  are dropped.
+
+Upstream counterparts (v0.21.0 / v0.32.0): `vllm.v1.worker.gpu_model_runner.
+GPUModelRunner` (`_prepare_inputs`, `execute_model`, `sample_tokens`,
+`capture_model`), `vllm.v1.engine.core.EngineCore.step`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .chunked_prefill import Scheduler, SchedulerOutput
+from .kv_cache_manager import KVCacheManager
+from .request import Request
+
+AttnFn = Callable[..., torch.Tensor]  # (q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, max_seqlen_q) -> out
+
+
+def default_attn_fn(device: torch.device) -> AttnFn:
+    """The Triton kernel on a GPU; the fp32 torch reference elsewhere."""
+    if device.type == "cuda":
+        from .triton_attn import paged_attention
+
+        def triton_fn(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, max_seqlen_q):
+            return paged_attention(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, max_seqlen_q=max_seqlen_q)
+
+        return triton_fn
+    from .attn_reference import paged_attention_reference
+
+    def ref_fn(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, max_seqlen_q):
+        return paged_attention_reference(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens)
+
+    return ref_fn
+
+
+# --------------------------------------------------------------------------
+# The model: Qwen3 (same math as reimpl/qwen3.py), fused projections, on a device
+# --------------------------------------------------------------------------
+class FastQwen3:
+    def __init__(self, cfg: dict, weights: dict[str, torch.Tensor], device="cuda", dtype=torch.bfloat16):
+        self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
+        c = cfg
+        self.num_layers = c["num_hidden_layers"]
+        self.num_heads = c["num_attention_heads"]
+        self.num_kv_heads = c["num_key_value_heads"]
+        self.head_dim = c.get("head_dim") or c["hidden_size"] // self.num_heads
+        self.hidden = c["hidden_size"]
+        self.eps = c["rms_norm_eps"]
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+
+        def W(name):
+            return weights[name].to(self.device, dtype)
+
+        self.embed = W("model.embed_tokens.weight")
+        self.layers = []
+        for i in range(self.num_layers):
+            p = f"model.layers.{i}."
+            self.layers.append({
+                "ln1": W(p + "input_layernorm.weight"),
+                "qkv": torch.cat([W(p + "self_attn.q_proj.weight"), W(p + "self_attn.k_proj.weight"),
+                                  W(p + "self_attn.v_proj.weight")], 0).contiguous(),
+                "q_norm": W(p + "self_attn.q_norm.weight"),
+                "k_norm": W(p + "self_attn.k_norm.weight"),
+                "o": W(p + "self_attn.o_proj.weight"),
+                "ln2": W(p + "post_attention_layernorm.weight"),
+                "gate_up": torch.cat([W(p + "mlp.gate_proj.weight"), W(p + "mlp.up_proj.weight")], 0).contiguous(),
+                "down": W(p + "mlp.down_proj.weight"),
+            })  # fmt: skip
+        self.norm = W("model.norm.weight")
+        self.lm_head = W("lm_head.weight") if "lm_head.weight" in weights else self.embed
+        # RoPE table (neox halves), fp32, indexed by position.
+        theta = c.get("rope_theta", 10000.0)
+        inv = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim))
+        freqs = torch.outer(torch.arange(c["max_position_embeddings"], dtype=torch.float32), inv)
+        self.cos, self.sin = freqs.cos().to(self.device), freqs.sin().to(self.device)
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path, device="cuda", dtype=torch.bfloat16) -> "FastQwen3":
+        from safetensors.torch import load_file
+
+        model_dir = Path(model_dir)
+        cfg = json.loads((model_dir / "config.json").read_text())
+        return cls(cfg, load_file(str(model_dir / "model.safetensors")), device, dtype)
+
+    @classmethod
+    def random(cls, cfg: dict, device="cuda", dtype=torch.bfloat16, seed: int = 0) -> "FastQwen3":
+        """Random weights with the checkpoint's shapes (upstream `load_format="dummy"`)."""
+        g = torch.Generator(device=device).manual_seed(seed)
+        H, I = cfg["hidden_size"], cfg["intermediate_size"]
+        nh, kvh = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+        hd = cfg.get("head_dim") or H // nh
+        w: dict[str, torch.Tensor] = {}
+
+        def rnd(*shape, std=0.02):
+            return (torch.randn(*shape, generator=g, device=device, dtype=torch.float32) * std).to(dtype)
+
+        w["model.embed_tokens.weight"] = rnd(cfg["vocab_size"], H)
+        for i in range(cfg["num_hidden_layers"]):
+            p = f"model.layers.{i}."
+            w[p + "input_layernorm.weight"] = torch.ones(H, device=device, dtype=dtype)
+            w[p + "post_attention_layernorm.weight"] = torch.ones(H, device=device, dtype=dtype)
+            w[p + "self_attn.q_proj.weight"] = rnd(nh * hd, H)
+            w[p + "self_attn.k_proj.weight"] = rnd(kvh * hd, H)
+            w[p + "self_attn.v_proj.weight"] = rnd(kvh * hd, H)
+            w[p + "self_attn.o_proj.weight"] = rnd(H, nh * hd)
+            w[p + "self_attn.q_norm.weight"] = torch.ones(hd, device=device, dtype=dtype)
+            w[p + "self_attn.k_norm.weight"] = torch.ones(hd, device=device, dtype=dtype)
+            w[p + "mlp.gate_proj.weight"] = rnd(I, H)
+            w[p + "mlp.up_proj.weight"] = rnd(I, H)
+            w[p + "mlp.down_proj.weight"] = rnd(H, I)
+        w["model.norm.weight"] = torch.ones(H, device=device, dtype=dtype)
+        if not cfg.get("tie_word_embeddings", False):
+            w["lm_head.weight"] = rnd(cfg["vocab_size"], H)
+        return cls(cfg, w, device, dtype)
+
+    def new_kv_caches(self, num_blocks: int, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
+        return [(torch.zeros(shape, device=self.device, dtype=self.dtype),
+                 torch.zeros(shape, device=self.device, dtype=self.dtype)) for _ in range(self.num_layers)]
+
+    def _rms(self, x, w):
+        # fp32 statistics, as upstream's RMSNorm kernel does for bf16
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * w
+
+    def _rope(self, x, cos, sin):
+        half = self.head_dim // 2
+        xf = x.float()
+        x1, x2 = xf[..., :half], xf[..., half:]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+    def forward(self, input_ids, positions, slot_mapping, block_table, cu_seqlens_q, seq_lens, max_seqlen_q: int,
+                caches, attn_fn: AttnFn) -> torch.Tensor:
+        """Hidden states [num_tokens, hidden] after the final norm (all tensors on self.device)."""
+        n, nh, kvh, hd = input_ids.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        x = self.embed[input_ids]
+        for L, (kc, vc) in zip(self.layers, caches):
+            h = self._rms(x, L["ln1"])
+            qkv = F.linear(h, L["qkv"])
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = self._rope(self._rms(q.reshape(n, nh, hd), L["q_norm"]), cos, sin)
+            k = self._rope(self._rms(k.reshape(n, kvh, hd), L["k_norm"]), cos, sin)
+            # write this step's K/V into their slots (slot = block * block_size + offset)
+            kc.view(-1, kvh, hd).index_copy_(0, slot_mapping, k)
+            vc.view(-1, kvh, hd).index_copy_(0, slot_mapping, v.reshape(n, kvh, hd))
+            o = attn_fn(q.contiguous(), kc, vc, block_table, cu_seqlens_q, seq_lens, max_seqlen_q)
+            x = x + F.linear(o.reshape(n, nh * hd), L["o"])
+            h = self._rms(x, L["ln2"])
+            gate, up = F.linear(h, L["gate_up"]).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, L["down"])
+        return self._rms(x, self.norm)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head).float()
+
+
+# --------------------------------------------------------------------------
+# The engine loop: reimpl's scheduler, a GPU-shaped model runner
+# --------------------------------------------------------------------------
+@dataclass
+class FastConfig:
+    block_size: int = 16
+    num_blocks: int = 1024  # including the null block 0
+    max_num_batched_tokens: int = 16384
+    max_num_seqs: int = 1024
+    max_model_len: int = 4096
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    cuda_graphs: bool = True
+    graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, *range(16, 257, 16))
+    seed: int = 0
+
+
+@dataclass
+class FastRequest:
+    req_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    temperature: float = 0.0
+    eos_token_id: int | None = None  # None: ignore EOS
+    arrival_step: int = 0  # as in engine.RequestIn: added before engine step number arrival_step
+
+
+@dataclass
+class RunStats:
+    steps: int = 0
+    decode_steps: int = 0
+    graph_steps: int = 0
+    prefill_tokens: int = 0
+    output_tokens: int = 0
+    preemptions: int = 0
+    seconds: float = 0.0
+    graph_capture_s: float = 0.0
+    host_s: float = 0.0  # scheduler + input building on the CPU
+    extra: dict = field(default_factory=dict)
+
+
+class FastEngine:
+    def __init__(self, model: FastQwen3, cfg: FastConfig, attn_fn: AttnFn | None = None):
+        self.model, self.cfg = model, cfg
+        self.device = model.device
+        self.attn_fn = attn_fn or default_attn_fn(self.device)
+        self.kv = KVCacheManager(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching, cfg.max_model_len)
+        self.scheduler = Scheduler(self.kv, cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.max_model_len,
+                                   cfg.enable_chunked_prefill)
+        self.caches = model.new_kv_caches(cfg.num_blocks, cfg.block_size)
+        # Persistent block table: one row per running request (upstream BlockTable).
+        self.max_blocks = math.ceil(cfg.max_model_len / cfg.block_size)
+        self.bt = np.zeros((cfg.max_num_seqs, self.max_blocks), dtype=np.int32)
+        self.row_of: dict[str, int] = {}
+        self.free_rows = list(range(cfg.max_num_seqs - 1, -1, -1))
+        self.gen = torch.Generator(device=self.device).manual_seed(cfg.seed)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.stats = RunStats()
+        # top-k token ids per sampled position, per request (for vLLM's logprob rule); 0 = off
+        self.record_topk = 0
+        self.topk: dict[str, list[list[int]]] = {}
+
+    # --- block-table rows ------------------------------------------------------------
+    def _row(self, rid: str) -> int:
+        r = self.row_of.get(rid)
+        if r is None:
+            r = self.row_of[rid] = self.free_rows.pop()
+        return r
+
+    def _release(self, rid: str) -> None:
+        r = self.row_of.pop(rid, None)
+        if r is not None:
+            self.free_rows.append(r)
+
+    # --- inputs -----------------------------------------------------------------------
+    def prepare(self, out: SchedulerOutput):
+        """numpy arrays for the step (upstream _prepare_inputs), plus which rows sample."""
+        reqs = self.scheduler.requests
+        n_sched = len(out.scheduled)
+        ids, rows, starts, lens, sample_idx, sample_rids = [], np.empty(n_sched, np.int64), np.empty(n_sched, np.int64), \
+            np.empty(n_sched, np.int64), [], []
+        total = 0
+        for i, s in enumerate(out.scheduled):
+            req = reqs[s.req_id]
+            start, n = s.num_computed_tokens, s.num_tokens
+            r = self._row(s.req_id)
+            if s.kind != "running" or out.new_block_ids.get(s.req_id):
+                blocks = self.kv.block_ids(s.req_id)  # new, resumed (hits included) or grown
+                self.bt[r, : len(blocks)] = blocks
+            if n == 1 and start == req.num_tokens - 1:  # a decode: the last token
+                ids.append(req.output_token_ids[-1] if req.output_token_ids else req.prompt_token_ids[-1])
+            else:
+                np_ = req.num_prompt_tokens
+                if start + n <= np_:
+                    ids.extend(req.prompt_token_ids[start : start + n])
+                else:
+                    ids.extend(req.all_token_ids[start : start + n])
+            rows[i], starts[i], lens[i] = r, start, n
+            total += n
+            if start + n >= req.num_tokens:  # reaches the end of what is known: samples
+                sample_idx.append(total - 1)
+                sample_rids.append(s.req_id)
+        cu = np.zeros(n_sched + 1, np.int32)
+        np.cumsum(lens, out=cu[1:])
+        seq_lens = (starts + lens).astype(np.int32)
+        tok_row = np.repeat(rows, lens)
+        positions = np.repeat(starts - cu[:-1], lens) + np.arange(total)
+        bs = self.cfg.block_size
+        slots = self.bt[tok_row, positions // bs].astype(np.int64) * bs + positions % bs
+        return (np.asarray(ids, np.int64), positions.astype(np.int64), slots, rows, cu, seq_lens,
+                int(lens.max()) if n_sched else 0, sample_idx, sample_rids)
+
+    # --- one step ---------------------------------------------------------------------
+    def _dev(self, a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(a).to(self.device)
+
+    def execute(self, out: SchedulerOutput) -> dict[str, int]:
+        ids, pos, slots, rows, cu, seq_lens, max_q, sample_idx, sample_rids = self.prepare(out)
+        n_seqs = len(out.scheduled)
+        width = int(np.max((seq_lens + self.cfg.block_size - 1) // self.cfg.block_size)) if n_seqs else 1
+        g = self._graph_size(n_seqs) if (max_q == 1 and self.graphs) else None
+        if g is not None:
+            hidden = self._replay(g, ids, pos, slots, self.bt[rows, :width], seq_lens, width)
+            self.stats.graph_steps += 1
+        else:
+            bt = np.ascontiguousarray(self.bt[rows, :width])
+            hidden = self.model.forward(self._dev(ids), self._dev(pos), self._dev(slots), self._dev(bt),
+                                        self._dev(cu), self._dev(seq_lens), max_q, self.caches, self.attn_fn)
+        if max_q == 1:
+            self.stats.decode_steps += 1
+        if not sample_idx:
+            return {}
+        idx = torch.tensor(sample_idx, device=self.device)
+        logits = self.model.logits(hidden[idx])
+        tokens = self.sample(logits, [self.scheduler.requests[r].temperature for r in sample_rids])
+        if self.record_topk:
+            for rid, top in zip(sample_rids, logits.topk(self.record_topk, dim=-1).indices.tolist()):
+                self.topk.setdefault(rid, []).append(top)
+        return dict(zip(sample_rids, tokens.tolist()))
+
+    def sample(self, logits: torch.Tensor, temps: list[float]) -> torch.Tensor:
+        greedy = logits.argmax(-1)
+        if all(t <= 0 for t in temps):
+            return greedy
+        t = torch.tensor([t if t > 0 else 1.0 for t in temps], device=logits.device).unsqueeze(1)
+        probs = torch.softmax(logits / t, dim=-1)
+        # argmax(p / E), E ~ Exp(1), draws from p (Gumbel-max; see sampler.py)
+        noise = torch.empty_like(probs).exponential_(generator=self.gen)
+        rand = (probs / noise).argmax(-1)
+        is_greedy = torch.tensor([t <= 0 for t in temps], device=logits.device)
+        return torch.where(is_greedy, greedy, rand)
+
+    # --- CUDA graphs for decode ------------------------------------------------------------
+    def _graph_size(self, n: int) -> int | None:
+        for g in sorted(self.graphs):
+            if g >= n:
+                return g
+        return None
+
+    def capture_graphs(self) -> None:
+        """Capture the decode forward for each padded batch size, largest first (shared pool)."""
+        if self.device.type != "cuda" or not self.cfg.cuda_graphs:
+            return
+        t0 = time.perf_counter()
+        sizes = sorted((b for b in self.cfg.graph_batch_sizes if b <= self.cfg.max_num_seqs), reverse=True)
+        G = sizes[0]
+        dev = self.device
+        self.g_in = {
+            "ids": torch.zeros(G, dtype=torch.int64, device=dev),
+            "pos": torch.zeros(G, dtype=torch.int64, device=dev),
+            "slots": torch.zeros(G, dtype=torch.int64, device=dev),  # 0: slot 0 of the null block
+            "bt": torch.zeros(G, self.max_blocks, dtype=torch.int32, device=dev),
+            "cu": torch.arange(G + 1, dtype=torch.int32, device=dev),
+            "seq_lens": torch.ones(G, dtype=torch.int32, device=dev),
+        }
+        self.g_out: dict[int, torch.Tensor] = {}
+        pool = None
+        stream = torch.cuda.Stream()
+        for b in sizes:
+            i = self.g_in
+            args = (i["ids"][:b], i["pos"][:b], i["slots"][:b], i["bt"][:b], i["cu"][: b + 1], i["seq_lens"][:b], 1,
+                    self.caches, self.attn_fn)
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):  # warm up (Triton compiles) outside the graph
+                self.model.forward(*args)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.g_out[b] = self.model.forward(*args)
+            if pool is None:
+                pool = graph.pool()
+            self.graphs[b] = graph
+        torch.cuda.synchronize()
+        self.stats.graph_capture_s = time.perf_counter() - t0
+
+    def _replay(self, g: int, ids, pos, slots, bt_rows: np.ndarray, seq_lens, width: int) -> torch.Tensor:
+        n = ids.shape[0]
+        i = self.g_in
+        i["ids"][:n].copy_(self._dev(ids))
+        i["pos"][:n].copy_(self._dev(pos))
+        i["slots"][:n].copy_(self._dev(slots))
+        i["seq_lens"][:n].copy_(self._dev(seq_lens))
+        i["bt"][:n, :width].copy_(self._dev(np.ascontiguousarray(bt_rows)))
+        if n < g:  # padding rows: one key of the null block, written to its slot 0
+            i["slots"][n:g].zero_()
+            i["seq_lens"][n:g].fill_(1)
+            i["bt"][n:g, 0].zero_()
+        self.graphs[g].replay()
+        return self.g_out[g][:n]
+
+    # --- the loop -----------------------------------------------------------------------
+    def generate(self, requests: list[FastRequest], max_steps: int = 1_000_000, on_step=None) -> dict[str, list[int]]:
+        """Run every request to completion; returns output token ids per request.
+
+        Arrivals as in `engine.Engine.run`; `on_step(out, sampled)` sees each
+        step's SchedulerOutput and sampled tokens (tests diff decisions with it).
+        """
+        t0 = time.perf_counter()
+        pending = sorted(requests, key=lambda r: r.arrival_step)
+        sched = self.scheduler
+        host, step = 0.0, 0
+        while (pending or sched.has_unfinished()) and step < max_steps:
+            h0 = time.perf_counter()
+            while pending and (pending[0].arrival_step <= step or not sched.has_unfinished()):
+                r = pending.pop(0)
+                sched.add_request(Request(r.req_id, list(r.prompt_token_ids), r.max_tokens, r.temperature, None,
+                                          r.eos_token_id, r.arrival_step))
+            out = sched.schedule()
+            step += 1
+            self.stats.steps += 1
+            self.stats.preemptions += len(out.preempted)
+            for p in out.preempted:
+                self._release(p.req_id)  # its blocks are gone; a fresh row on resume
+            host += time.perf_counter() - h0
+            sampled = self.execute(out) if out.scheduled else {}
+            h0 = time.perf_counter()
+            for s in out.scheduled:
+                if s.num_tokens > 1 or s.kind != "running":
+                    self.stats.prefill_tokens += s.num_tokens
+            stopped = sched.update_from_output(out, sampled)
+            for r in stopped:
+                self._release(r.req_id)
+            host += time.perf_counter() - h0
+            if on_step:
+                on_step(out, sampled)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        self.stats.seconds += time.perf_counter() - t0
+        self.stats.host_s += host
+        outs = {r.req_id: list(sched.requests[r.req_id].output_token_ids) for r in requests}
+        self.stats.output_tokens += sum(len(v) for v in outs.values())
+        return outs

@@ -1,0 +1,90 @@
+"""The mini engine's performance path (reimpl/fast_engine.py) makes the mini engine's decisions.
+
+CPU, fp32, the torch reference attention in place of the Triton kernel: the
+same scenarios through `reimpl.engine.Engine` and `reimpl.fast_engine.FastEngine`
+must schedule the same tokens, hand out the same blocks and produce the same
+greedy tokens. (On the H200 the race runs the same engine in bf16 with the
+Triton kernel and CUDA graphs: vllm_tour/bench/race_gpu.py.)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from reimpl.engine import Engine, EngineConfig, RequestIn
+from reimpl.fast_engine import FastConfig, FastEngine, FastQwen3, FastRequest
+from vllm_tour.models import resolve_model
+from vllm_tour.paths import SCENARIOS_DIR
+from vllm_tour.scenario import load_scenario
+
+SCENARIOS = ["cmp_chunked", "cmp_preempt", "cmp_shared_prefix", "cmp_arrivals"]
+
+
+def _both(name: str):
+    sc = load_scenario(SCENARIOS_DIR / f"{name}.toml")
+    e = sc.engine
+    model_dir = str(resolve_model(sc.model))
+    num_blocks = (e.num_blocks or 64) + 1
+    budget = e.max_num_batched_tokens or 2048
+    seqs = e.max_num_seqs or 256
+    ref = Engine(EngineConfig(model_dir, e.block_size, num_blocks, budget, seqs, e.max_model_len, e.enable_prefix_caching))
+    reqs = [RequestIn(r.id, list(r.token_ids), r.max_tokens, 0.0, None, r.arrival_step, None) for r in sc.requests]
+    ref_steps = [[(s.req_id, s.kind, s.num_tokens, s.num_computed_tokens) for s in res.out.scheduled]
+                 + [("blocks", dict(res.out.new_block_ids)), ("preempted", [p.req_id for p in res.out.preempted])]
+                 for res in ref.run(reqs)]
+    fast = FastEngine(FastQwen3.from_dir(model_dir, device="cpu", dtype=torch.float32),
+                      FastConfig(e.block_size, num_blocks, budget, seqs, e.max_model_len, e.enable_prefix_caching,
+                                 cuda_graphs=False))
+    fast_steps = []
+    outs = fast.generate([FastRequest(r.id, list(r.token_ids), r.max_tokens, 0.0, None, r.arrival_step) for r in sc.requests],
+                         on_step=lambda out, sampled: fast_steps.append(
+                             [(s.req_id, s.kind, s.num_tokens, s.num_computed_tokens) for s in out.scheduled]
+                             + [("blocks", dict(out.new_block_ids)), ("preempted", [p.req_id for p in out.preempted])]))
+    return ref, ref_steps, fast, fast_steps, outs
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_fast_engine_same_decisions_and_tokens(name):
+    ref, ref_steps, fast, fast_steps, outs = _both(name)
+    assert fast_steps == ref_steps
+    assert outs == ref.outputs()
+    assert all(len(v) > 0 for v in outs.values())
+
+
+def test_fast_engine_notices_a_broken_slot_mapping(monkeypatch):
+    """The comparison can fail: writing K/V one slot off changes the tokens."""
+    import reimpl.fast_engine as fe
+
+    orig = fe.FastEngine.prepare
+
+    def shifted(self, out):
+        r = list(orig(self, out))
+        r[2] = r[2] + 1  # slot mapping
+        return tuple(r)
+
+    monkeypatch.setattr(fe.FastEngine, "prepare", shifted)
+    ref, _, _, _, outs = _both("cmp_chunked")
+    assert outs != ref.outputs()
+
+
+def test_prepare_positions_and_slots():
+    """Positions restart per request; slots follow the block table (block * block_size + offset)."""
+    cfg = {"num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8,
+           "hidden_size": 16, "intermediate_size": 32, "vocab_size": 50, "rms_norm_eps": 1e-6,
+           "max_position_embeddings": 64, "tie_word_embeddings": True}
+    eng = FastEngine(FastQwen3.random(cfg, device="cpu", dtype=torch.float32),
+                     FastConfig(block_size=4, num_blocks=16, max_num_batched_tokens=64, max_num_seqs=4,
+                                max_model_len=32, enable_prefix_caching=False, cuda_graphs=False))
+    from reimpl.request import Request
+
+    eng.scheduler.add_request(Request("a", [1, 2, 3, 4, 5, 6], 3))
+    eng.scheduler.add_request(Request("b", [7, 8, 9], 3))
+    out = eng.scheduler.schedule()
+    ids, pos, slots, rows, cu, seq_lens, max_q, sample_idx, rids = eng.prepare(out)
+    assert ids.tolist() == [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    assert pos.tolist() == [0, 1, 2, 3, 4, 5, 0, 1, 2]
+    ta, tb = eng.kv.block_ids("a"), eng.kv.block_ids("b")
+    assert slots.tolist() == [ta[p // 4] * 4 + p % 4 for p in range(6)] + [tb[0] * 4 + p for p in range(3)]
+    assert cu.tolist() == [0, 6, 9] and seq_lens.tolist() == [6, 3] and max_q == 6
+    assert sample_idx == [5, 8] and rids == ["a", "b"]

@@ -1,0 +1,99 @@
+"""The GPU runner's pure-Python parts (CI is CPU-only; the runner itself runs on the H200)."""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import os
+import shutil
+import subprocess
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from vllm_tour.gpu import runner
+from vllm_tour.gpu.runner import first_difference, logprobs_close, make_tour_dist, pack, step_timeout
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_step_timeout_respects_limit_and_deadline():
+    t0 = 1000.0
+    assert step_timeout("trace", t0, 540, now=t0) == runner.STEP_LIMITS["trace"]
+    # 500 s gone of 540: 40 left, minus the packing reserve
+    assert step_timeout("race", t0, 540, now=t0 + 500) == 40 - runner.RESERVE_S
+    assert step_timeout("race", t0, 540, now=t0 + 600) == 0.0
+    assert step_timeout("pack", t0, 540, now=t0 + 530) == 10  # the reserve is pack's
+
+
+def test_tour_dist_exposes_the_probe_plugin(tmp_path):
+    make_tour_dist(tmp_path)
+    dists = [d for d in md.distributions(path=[str(tmp_path)]) if d.metadata["Name"] == "vllm-tour"]
+    assert len(dists) == 1
+    eps = [e for e in dists[0].entry_points if e.group == "vllm.general_plugins"]
+    assert [e.value for e in eps] == ["vllm_tour.probes.plugin:register"]
+    assert eps[0].load().__module__ == "vllm_tour.probes.plugin"
+
+
+def test_pack_keeps_runs_and_drops_captures_when_too_big(tmp_path):
+    run = tmp_path / "traces" / "single"
+    (run / "captures").mkdir(parents=True)
+    (run / "meta.json").write_text("{}")
+    (run / "captures" / "step-0001.rank0.safetensors").write_bytes(os.urandom(200_000))
+    info = pack(tmp_path, [run])
+    with tarfile.open(tmp_path / "traces.tar.gz") as tf:
+        names = tf.getnames()
+    assert "single/meta.json" in names and any("captures" in n for n in names) and not info["captures_dropped"]
+    info = pack(tmp_path, [run], max_bytes=50_000)
+    with tarfile.open(tmp_path / "traces.tar.gz") as tf:
+        names = tf.getnames()
+    assert info["captures_dropped"] and names == ["single/meta.json"]
+
+
+def test_first_difference():
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert first_difference([1, 2], [1, 2, 3]) == 2
+
+
+def test_logprobs_rule_vllm_style():
+    up, re_ = [5, 6, 7, 8], [5, 6, 9, 1]
+    top_up = [[5], [6], [7, 9, 1, 2, 3], [8]]
+    top_re = [[5], [6], [9, 7, 4, 2, 3], [1]]
+    r = logprobs_close(up, re_, top_up, top_re)
+    assert r["ok"] and r["first_diff"] == 2  # each in the other's top-5; later tokens not judged
+    r = logprobs_close(up, re_, top_up, [[5], [6], [9, 4, 2, 3, 0], [1]])
+    assert not r["ok"] and not r["upstream_in_reimpl_top"] and r["reimpl_in_upstream_top"]
+    assert logprobs_close(up, up, top_up, top_up) == {"ok": True, "identical": True, "first_diff": None}
+    assert not logprobs_close(up, up[:3], top_up, top_up)["ok"]
+
+
+def test_plan_names_every_step_and_scenario():
+    a = runner.build_parser().parse_args(["all", "--out", "/tmp/x"])
+    cmds = runner.step_commands(a)
+    assert set(cmds) == set(runner.STEPS) - {"pack"}
+    assert cmds["doctor"][-2:] == ["--pin", "v0.21.0"]
+    trace = " ".join(cmds["trace"])
+    assert all(s in trace for s in runner.TRACE_SCENARIOS + runner.COMPARE_SCENARIOS)
+    assert "TRITON_ATTN" in trace
+    assert all(m in " ".join(cmds["compare"]) for m in runner.MODULES)
+    for name in runner.TRACE_SCENARIOS + runner.COMPARE_SCENARIOS:
+        assert (REPO / "traces" / "scenarios" / f"{name}.toml").is_file()
+
+
+def test_unknown_step_is_refused():
+    with pytest.raises(SystemExit):
+        runner.main(["all", "--steps", "trace,bogus", "--out", "/tmp/x"])
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_cuda_run_stops_while_parts_are_missing(tmp_path):
+    """Runs 1-3: assemble.sh exits 3 (parts missing) and so must the wrapper, before any step runs."""
+    (tmp_path / ".gpu" / "cuda").mkdir(parents=True)
+    (tmp_path / ".gpu" / "cuda" / "assemble.sh").write_text("echo staged; exit 3\n")
+    (tmp_path / "vllm_tour" / "gpu").mkdir(parents=True)
+    shutil.copy(REPO / "vllm_tour" / "gpu" / "cuda_run.sh", tmp_path / "vllm_tour" / "gpu")
+    p = subprocess.run(["bash", "vllm_tour/gpu/cuda_run.sh"], cwd=tmp_path, capture_output=True, text=True,
+                       env=dict(os.environ, OUT=str(tmp_path / "out")))
+    assert p.returncode == 3
+    assert "assemble rc=3" in p.stdout and "staged" in p.stdout

@@ -1,0 +1,415 @@
+"""The GPU runner: everything vllm-tour measures against upstream's CUDA engine, in one command.
+
+On the GPU machine, from the repository root, after the payload is assembled
+(`bash .gpu/cuda/assemble.sh`; `vllm_tour/gpu/cuda_run.sh` does both):
+
+    PYTHONPATH=/tmp/vllm-cuda:. python3 -m vllm_tour.gpu.runner all --out $OUT
+
+Steps (each in its own subprocess with a time limit taken from one overall
+deadline, so a hang costs that step only; results go under OUT):
+
+  doctor   `vllm-tour doctor --pin v0.21.0` against the carried install   doctor.txt
+  trace    the scenarios on upstream with probes (+ captures for the
+           compare scenarios), TRITON_ATTN, fp32                           traces/<scenario>/
+  compare  `compare(reimpl.MODULE, scenario, upstream_run=trace)` for each
+           module x compare scenario: decisions, tokens, tensors            compare-<module>.json
+  tokens   fp32: upstream CUDA tokens == reimpl tokens (exact);
+           bf16: vLLM's rule (first differing greedy token: each side's
+           token in the other's top-5 logprobs; stop there)                 tokens.json
+  race     vllm_tour/bench/race_gpu.py                                      race.json
+  pack     traces.tar.gz (the trace runs, small), summary.json
+
+Upstream's attention backend is chosen per run (`--attention-backend`,
+default TRITON_ATTN) through `attention_config`, vLLM 0.21's way.
+The pure-Python parts (plan, deadline, dist-info, packing, the bf16 rule)
+are tested on CPU in tests/test_gpu_runner.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT_PIN = "v0.21.0"
+TRACE_SCENARIOS = ("single", "concurrent8", "chunked_prefill", "preemption", "shared_prefix")
+COMPARE_SCENARIOS = ("cmp_single", "cmp_chunked", "cmp_preempt", "cmp_shared_prefix")
+MODULES = ("reimpl.paged_attn", "reimpl.chunked_prefill", "reimpl.triton_attn")
+STEPS = ("doctor", "race", "trace", "compare", "tokens", "pack")  # the race first: the one figure that needs minutes
+# Seconds each step is given at most (the overall deadline may give less).
+STEP_LIMITS = {"doctor": 60, "trace": 240, "compare": 150, "tokens": 150, "race": 330, "pack": 30}
+RESERVE_S = 25  # kept back for packing whatever exists
+
+
+@dataclass
+class StepResult:
+    name: str
+    status: str  # ok | failed | timeout | skipped
+    seconds: float = 0.0
+    detail: str = ""
+    data: dict = field(default_factory=dict)
+
+
+def step_timeout(name: str, started: float, deadline_s: float, now: float | None = None) -> float:
+    """Seconds this step may take: its own limit, cut to what the deadline leaves (minus the reserve)."""
+    now = time.time() if now is None else now
+    left = deadline_s - (now - started) - (0 if name == "pack" else RESERVE_S)
+    return max(0.0, min(STEP_LIMITS[name], left))
+
+
+def make_tour_dist(site: Path) -> Path:
+    """A minimal dist-info so vLLM's plugin loader finds vllm-tour's probes in every process.
+
+    The checkout travels to the GPU machine without being pip-installed;
+    `vllm.general_plugins` is an entry point, which needs a distribution.
+    """
+    d = Path(site) / "vllm_tour-0.1.0.dist-info"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm-tour\nVersion: 0.1.0\n")
+    (d / "entry_points.txt").write_text("[vllm.general_plugins]\nvllm_tour_probes = vllm_tour.probes.plugin:register\n")
+    (d / "top_level.txt").write_text("vllm_tour\n")
+    return d
+
+
+def pack(out: Path, dirs: list[Path], name: str = "traces.tar.gz", max_bytes: int = 15 << 20) -> dict:
+    """tar.gz the given run directories (relative names); captures are dropped first if too big."""
+    out = Path(out)
+    path = out / name
+
+    def build(skip_captures: bool) -> int:
+        with tarfile.open(path, "w:gz") as tf:
+            for d in dirs:
+                d = Path(d)
+                if not d.is_dir():
+                    continue
+                for f in sorted(d.rglob("*")):
+                    if f.is_file() and not (skip_captures and "captures" in f.relative_to(d).parts):
+                        tf.add(f, arcname=str(Path(d.name) / f.relative_to(d)))
+        return path.stat().st_size
+
+    size = build(False)
+    dropped = False
+    if size > max_bytes:
+        size, dropped = build(True), True
+    return {"file": name, "bytes": size, "captures_dropped": dropped, "runs": [Path(d).name for d in dirs if Path(d).is_dir()]}
+
+
+# --- the bf16 / fp32 token rules ----------------------------------------------------------
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def logprobs_close(up_tokens: list[int], re_tokens: list[int], up_top: list[list[int]], re_top: list[list[int]]) -> dict:
+    """vLLM's `check_logprobs_close` rule for one request.
+
+    Where the greedy tokens first differ, each side's token must be among the
+    other side's top-k (k = 5 here) at that position; the comparison stops
+    there (after one divergence the two continue from different contexts).
+    """
+    pos = first_difference(up_tokens, re_tokens)
+    if pos is None:
+        return {"ok": True, "identical": True, "first_diff": None}
+    if pos >= min(len(up_tokens), len(re_tokens)):
+        return {"ok": False, "identical": False, "first_diff": pos, "why": f"lengths {len(up_tokens)} vs {len(re_tokens)}"}
+    u, r = up_tokens[pos], re_tokens[pos]
+    u_in_re = pos < len(re_top) and u in re_top[pos]
+    r_in_up = pos < len(up_top) and r in up_top[pos]
+    return {"ok": bool(u_in_re and r_in_up), "identical": False, "first_diff": pos, "upstream": u, "reimpl": r,
+            "upstream_in_reimpl_top": bool(u_in_re), "reimpl_in_upstream_top": bool(r_in_up),
+            "upstream_top": up_top[pos] if pos < len(up_top) else None,
+            "reimpl_top": re_top[pos] if pos < len(re_top) else None}
+
+
+# --- subcommands that run on the GPU machine -------------------------------------------------
+
+
+def _scenario(name: str):
+    from ..paths import SCENARIOS_DIR
+    from ..scenario import load_scenario
+
+    return load_scenario(SCENARIOS_DIR / f"{name}.toml")
+
+
+def _patch_attention_backend(backend: str | None) -> None:
+    """Make run_upstream's engine use `backend` (vLLM 0.21: attention_config, no env var)."""
+    if not backend:
+        return
+    from ..trace import run as run_mod
+
+    orig = run_mod.engine_kwargs
+    if getattr(orig, "_tour_backend", None):
+        return
+
+    def engine_kwargs(scenario, model_path):
+        kw = orig(scenario, model_path)
+        kw.setdefault("attention_config", {"backend": backend})
+        return kw
+
+    engine_kwargs._tour_backend = backend
+    run_mod.engine_kwargs = engine_kwargs
+
+
+def cmd_trace(a) -> int:
+    from ..errors import TourError
+    from ..trace.run import CAPTURE_NAMES, run_upstream
+
+    _patch_attention_backend(a.attention_backend)
+    out = Path(a.out) / "traces"
+    out.mkdir(parents=True, exist_ok=True)
+    results = {}
+    for name in a.scenarios.split(","):
+        t0 = time.time()
+        run_dir = out / name
+        capture = list(CAPTURE_NAMES) if name in a.capture.split(",") else []
+        try:
+            sc = _scenario(name)
+            try:
+                run_upstream(sc, run_dir=run_dir, capture=capture)
+                results[name] = {"status": "ok", "probes": True, "capture": capture}
+            except TourError as e:
+                if "probe" not in str(e):
+                    raise
+                # probes not available on this pin (yet): still record outputs, say why
+                run_upstream(sc, run_dir=run_dir, capture=[], probes=False)
+                results[name] = {"status": "ok", "probes": False, "why_no_probes": str(e)}
+        except Exception as e:  # noqa: BLE001 - one scenario's failure is reported, the rest run
+            results[name] = {"status": "failed", "error": f"{type(e).__name__}: {e}"[:1500]}
+        results[name]["seconds"] = round(time.time() - t0, 1)
+        print(f"[trace] {name}: {json.dumps(results[name])[:400]}", flush=True)
+        (Path(a.out) / "trace.json").write_text(json.dumps(results, indent=1))
+    return 0 if all(r["status"] == "ok" for r in results.values()) else 1
+
+
+def cmd_compare(a) -> int:
+    from ..compare import harness
+
+    traces = Path(a.out) / "traces"
+    rc = 0
+    for module in a.modules.split(","):
+        rows = []
+        for name in a.scenarios.split(","):
+            t0 = time.time()
+            try:
+                r = harness.compare(module, harness.SCENARIOS_DIR / f"{name}.toml", upstream_run=traces / name)
+                row = r.to_json()
+                row.pop("tensors", None)  # summary and first out-of-tolerance kept; the full list is long
+                rc = max(rc, r.exit_code)
+            except Exception as e:  # noqa: BLE001 - TourError = could not run (exit 2)
+                row = {"scenario": name, "status": "could_not_run", "error": f"{type(e).__name__}: {e}"[:1500]}
+                rc = 2
+            row["seconds"] = round(time.time() - t0, 1)
+            rows.append(row)
+            first = row.get("first_divergence")
+            print(f"[compare] {module} {name}: {row.get('status')} first={json.dumps(first)[:300] if first else None} "
+                  f"{row.get('error', '')[:300]}", flush=True)
+        (Path(a.out) / f"compare-{module.replace('.', '_')}.json").write_text(json.dumps(rows, indent=1, default=str))
+    return rc
+
+
+def _upstream_tokens(sc, model_dir: str, dtype: str, backend: str | None, logprobs: int):
+    """Upstream greedy tokens (+ top-k ids per position) for a scenario's requests, all at once."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from ..trace.run import engine_kwargs
+
+    kw = engine_kwargs(sc, Path(model_dir))
+    kw["dtype"] = dtype
+    for k in ("disable_log_stats", "use_tqdm_on_load"):
+        kw.pop(k, None)
+    if backend:
+        kw["attention_config"] = {"backend": backend}
+    llm = LLM(**kw)
+    prompts = [TokensPrompt(prompt_token_ids=list(r.token_ids)) for r in sc.requests]
+    params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True, logprobs=logprobs) for r in sc.requests]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    res = {}
+    for r, o in zip(sc.requests, outs):
+        c = o.outputs[0]
+        top = [sorted(lp, key=lambda t: -lp[t].logprob)[:logprobs] for lp in (c.logprobs or [])]
+        res[r.id] = {"tokens": list(c.token_ids), "top": top}
+    del llm
+    import gc
+
+    gc.collect()
+    return res
+
+
+def _reimpl_tokens(sc, model_dir: str, dtype, topk: int):
+    """reimpl/fast_engine.py on the GPU: the mini engine's decisions, Triton attention, greedy."""
+    import torch
+
+    from reimpl.fast_engine import FastConfig, FastEngine, FastQwen3, FastRequest
+
+    e = sc.engine
+    model = FastQwen3.from_dir(model_dir, device="cuda", dtype=dtype)
+    eng = FastEngine(model, FastConfig(block_size=e.block_size, num_blocks=(e.num_blocks or 256) + 1,
+                                       max_num_batched_tokens=e.max_num_batched_tokens or 8192,
+                                       max_num_seqs=e.max_num_seqs or 256, max_model_len=e.max_model_len,
+                                       enable_prefix_caching=e.enable_prefix_caching, cuda_graphs=False))
+    eng.record_topk = topk
+    outs = eng.generate([FastRequest(r.id, list(r.token_ids), r.max_tokens, 0.0, None, r.arrival_step) for r in sc.requests])
+    res = {rid: {"tokens": toks, "top": eng.topk.get(rid, [])} for rid, toks in outs.items()}
+    del eng, model
+    torch.cuda.empty_cache()
+    return res
+
+
+def cmd_tokens(a) -> int:
+    """fp32: exact tokens; bf16: vLLM's top-5 rule. Upstream CUDA engine vs reimpl on the GPU."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process engine core: starts in seconds
+    import torch
+
+    from ..models import resolve_model
+
+    report = {"rule": "fp32: tokens identical; bf16: at the first differing greedy token each side's token is in the "
+                      "other's top-5 logprobs, then stop (vLLM check_logprobs_close)", "scenarios": {}}
+    ok = True
+    for name in a.scenarios.split(","):
+        sc = _scenario(name)
+        if any(r.token_ids is None for r in sc.requests):
+            continue
+        model_dir = str(resolve_model(sc.model))
+        entry = {}
+        for dtype_name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+            try:
+                up = _upstream_tokens(sc, model_dir, dtype_name, a.attention_backend, 5)
+                re_ = _reimpl_tokens(sc, model_dir, dtype, 5)
+                per = {}
+                for rid in up:
+                    u, r = up[rid], re_.get(rid, {"tokens": [], "top": []})
+                    if dtype_name == "float32":
+                        pos = first_difference(u["tokens"], r["tokens"])
+                        per[rid] = {"ok": pos is None, "first_diff": pos, "n": len(u["tokens"])}
+                    else:
+                        per[rid] = logprobs_close(u["tokens"], r["tokens"], u["top"], r["top"])
+                        per[rid]["n"] = len(u["tokens"])
+                entry[dtype_name] = {"ok": all(v["ok"] for v in per.values()), "requests": per}
+            except Exception as e:  # noqa: BLE001
+                entry[dtype_name] = {"ok": False, "error": f"{type(e).__name__}: {e}"[:1500]}
+            ok = ok and entry[dtype_name]["ok"]
+            print(f"[tokens] {name} {dtype_name}: ok={entry[dtype_name]['ok']} "
+                  f"{json.dumps(entry[dtype_name])[:400]}", flush=True)
+        report["scenarios"][name] = entry
+        (Path(a.out) / "tokens.json").write_text(json.dumps(report, indent=1))  # after each: a timeout keeps what ran
+    return 0 if ok else 1
+
+
+# --- the orchestrator --------------------------------------------------------------------------
+
+
+def step_commands(a) -> dict[str, list[str]]:
+    py, me = sys.executable, "vllm_tour.gpu.runner"
+    common = ["--out", str(a.out), "--attention-backend", a.attention_backend or ""]
+    return {
+        "doctor": [py, "-m", "vllm_tour", "doctor", "--pin", a.pin],
+        "trace": [py, "-m", me, "trace", *common, "--scenarios", ",".join([*a.trace_scenarios, *a.compare_scenarios]),
+                  "--capture", ",".join(a.compare_scenarios)],
+        "compare": [py, "-m", me, "compare", *common, "--scenarios", ",".join(a.compare_scenarios),
+                    "--modules", ",".join(a.modules)],
+        "tokens": [py, "-m", me, "tokens", *common, "--scenarios", ",".join(a.compare_scenarios)],
+        "race": [py, str(REPO / "vllm_tour" / "bench" / "race_gpu.py"), "--json", str(Path(a.out) / "race.json"),
+                 "--sides", a.race_sides],
+    }
+
+
+def cmd_all(a) -> int:
+    started = time.time()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    site = Path(os.environ.get("VLLM_TOUR_GPU_SITE", "/tmp/tour-site"))
+    make_tour_dist(site)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", VLLM_USE_FLASHINFER_SAMPLER="0", TVM_FFI_DISABLE_TORCH_C_DLPACK="1",
+               VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               TOKENIZERS_PARALLELISM="false")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (a.site, str(REPO), str(site), env.get("PYTHONPATH")) if p)
+    cmds = step_commands(a)
+    results: list[StepResult] = []
+    for name in a.steps:
+        t0 = time.time()
+        if name == "pack":
+            runs = sorted(p for p in (out / "traces").glob("*") if p.is_dir()) if (out / "traces").is_dir() else []
+            try:
+                info = pack(out, runs)
+                results.append(StepResult("pack", "ok", round(time.time() - t0, 1), data=info))
+            except Exception as e:  # noqa: BLE001
+                results.append(StepResult("pack", "failed", round(time.time() - t0, 1), f"{type(e).__name__}: {e}"))
+            continue
+        limit = step_timeout(name, started, a.deadline_s)
+        if limit < 20:
+            results.append(StepResult(name, "skipped", 0.0, f"only {limit:.0f} s left before the deadline"))
+            print(f"=== {name}: skipped (deadline)", flush=True)
+            continue
+        print(f"=== {name} (limit {limit:.0f} s): {' '.join(cmds[name])}", flush=True)
+        log = out / f"{name}.log"
+        try:
+            with open(log, "w") as f:
+                p = subprocess.run(cmds[name], cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=limit)
+            status = "ok" if p.returncode == 0 else f"exit {p.returncode}"
+        except subprocess.TimeoutExpired:
+            status = "timeout"
+        tail = log.read_text(errors="replace").splitlines()[-15:] if log.exists() else []
+        results.append(StepResult(name, status, round(time.time() - t0, 1), "\n".join(tail)[-2500:]))
+        print("\n".join(tail), flush=True)
+        print(f"=== {name}: {status} in {time.time() - t0:.1f} s", flush=True)
+    summary = {"pin": a.pin, "attention_backend": a.attention_backend, "seconds": round(time.time() - started, 1),
+               "steps": [r.__dict__ for r in results]}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    print(json.dumps([(r.name, r.status, r.seconds) for r in results]), flush=True)
+    return 0 if all(r.status in ("ok", "skipped") for r in results) else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m vllm_tour.gpu.runner", description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    def common(p):
+        p.add_argument("--out", default=os.environ.get("OUT", "traces/runs/gpu"))
+        p.add_argument("--attention-backend", default="TRITON_ATTN")
+        return p
+
+    p = common(sub.add_parser("all", help="every step, one deadline"))
+    p.add_argument("--pin", default=DEFAULT_PIN)
+    p.add_argument("--site", default=os.environ.get("SITE", "/tmp/vllm-cuda"))
+    p.add_argument("--steps", type=lambda s: [x for x in s.split(",") if x], default=list(STEPS))
+    p.add_argument("--trace-scenarios", type=lambda s: [x for x in s.split(",") if x], default=list(TRACE_SCENARIOS))
+    p.add_argument("--compare-scenarios", type=lambda s: [x for x in s.split(",") if x], default=list(COMPARE_SCENARIOS))
+    p.add_argument("--modules", type=lambda s: [x for x in s.split(",") if x], default=list(MODULES))
+    p.add_argument("--race-sides", default="reimpl-graphs,reimpl-eager,upstream-eager,upstream-graphs")
+    p.add_argument("--deadline-s", type=float, default=540.0, help="everything, packing included, ends by then")
+    p = common(sub.add_parser("trace"))
+    p.add_argument("--scenarios", required=True)
+    p.add_argument("--capture", default="")
+    p = common(sub.add_parser("compare"))
+    p.add_argument("--scenarios", required=True)
+    p.add_argument("--modules", default=",".join(MODULES))
+    p = common(sub.add_parser("tokens"))
+    p.add_argument("--scenarios", required=True)
+    return ap
+
+
+def main(argv=None) -> int:
+    a = build_parser().parse_args(argv)
+    if getattr(a, "attention_backend", None) == "":
+        a.attention_backend = None
+    if a.cmd == "all":
+        unknown = [s for s in a.steps if s not in STEPS]
+        if unknown:
+            raise SystemExit(f"unknown step(s) {unknown}; known: {', '.join(STEPS)}")
+    return {"all": cmd_all, "trace": cmd_trace, "compare": cmd_compare, "tokens": cmd_tokens}[a.cmd](a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
