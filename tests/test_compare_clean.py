@@ -83,4 +83,4 @@ def test_could_not_run_is_one_line_exit_2_from_the_real_command():
     p = subprocess.run([sys.executable, "-m", "vllm_tour", "compare", "reimpl.nope", "--all-scenarios"],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2
-    assert p.stderr.strip().splitlines() == ["error: unknown module 'reimpl.nope' (known: reimpl.chunked_prefill, reimpl.paged_attn)"]
+    assert p.stderr.strip().splitlines() == [f"error: unknown module 'reimpl.nope' (known: {', '.join(harness.MODULES)})"]
