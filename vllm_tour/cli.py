@@ -181,14 +181,14 @@ def probes(
     """List the declared probes: upstream target, what each records, the pins it supports. Exit 2 if a target is missing."""
     from .pins import active_pin_tag
     from .probes.base import resolve
-    from .probes.install import PROBES
+    from .probes.install import probes_for
 
     tag = pin or active_pin_tag()
     table = Table(title=f"probes — pin {tag}", title_justify="left")
     for col in ("probe", "target", "records", "pins", ""):
         table.add_column(col, overflow="fold")
     bad = []
-    for p in PROBES:
+    for p in probes_for(tag):  # the pin's declarations, for its default attention backend
         try:
             resolve(p, tag)
             mark = "[green]ok[/]"

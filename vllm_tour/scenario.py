@@ -39,6 +39,9 @@ class EngineSpec(BaseModel):
     max_model_len: int = 1024  # with num_blocks and no explicit value: what the pool can hold
     seed: int = 0
     dtype: str = "float32"
+    # Upstream attention backend (e.g. TRITON_ATTN, FLASH_ATTN); None: the pin's default
+    # (probes.attention.DEFAULT_BACKEND: CPU_ATTN on v0.32.0, TRITON_ATTN on v0.21.0).
+    attention_backend: str | None = None
 
     @model_validator(mode="after")
     def _check(self):

@@ -459,7 +459,8 @@ def _diff_tensors(run_dir, up_steps, re_steps, re_tensors, atol, rtol) -> list[T
                     stats.append(TensorStat(name, step, list(up_t.shape), float("inf"), float("inf"), atol, rtol, False,
                                             f"different blocks written: upstream {ids} vs reimpl {mine_ids}"))
                     continue
-                up_t = cpu_kv_blocks_canonical(up_t)
+                if rec.get("layout") in (None, "[block, kv_head, slot, K|V * head_dim]"):  # CPU; CUDA saves canonical
+                    up_t = cpu_kv_blocks_canonical(up_t)
                 mask = _valid_slots_mask(up_t, ids or mine_ids or [], re_steps[step], up_t.shape[3])
                 stats.append(diffs.compare_tensor(name, step, up_t, mine, atol, rtol, mask,
                                                   "slots holding tokens (stale slots past each sequence end ignored)"))

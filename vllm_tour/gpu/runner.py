@@ -19,8 +19,9 @@ deadline, so a hang costs that step only; results go under OUT):
   race     vllm_tour/bench/race_gpu.py                                      race.json
   pack     traces.tar.gz (the trace runs, small), summary.json
 
-Upstream's attention backend is chosen per run (`--attention-backend`,
-default TRITON_ATTN) through `attention_config`, vLLM 0.21's way.
+Upstream's attention backend is the pin's (v0.21.0: TRITON_ATTN, passed as
+`attention_config` by trace.run.engine_kwargs) or `--attention-backend`, which
+sets each scenario's `engine.attention_backend`.
 The pure-Python parts (plan, deadline, dist-info, packing, the bf16 rule)
 are tested on CPU in tests/test_gpu_runner.py.
 """
@@ -142,30 +143,10 @@ def _scenario(name: str):
     return load_scenario(SCENARIOS_DIR / f"{name}.toml")
 
 
-def _patch_attention_backend(backend: str | None) -> None:
-    """Make run_upstream's engine use `backend` (vLLM 0.21: attention_config, no env var)."""
-    if not backend:
-        return
-    from ..trace import run as run_mod
-
-    orig = run_mod.engine_kwargs
-    if getattr(orig, "_tour_backend", None):
-        return
-
-    def engine_kwargs(scenario, model_path):
-        kw = orig(scenario, model_path)
-        kw.setdefault("attention_config", {"backend": backend})
-        return kw
-
-    engine_kwargs._tour_backend = backend
-    run_mod.engine_kwargs = engine_kwargs
-
-
 def cmd_trace(a) -> int:
     from ..errors import TourError
     from ..trace.run import CAPTURE_NAMES, run_upstream
 
-    _patch_attention_backend(a.attention_backend)
     out = Path(a.out) / "traces"
     out.mkdir(parents=True, exist_ok=True)
     results = {}
@@ -175,6 +156,8 @@ def cmd_trace(a) -> int:
         capture = list(CAPTURE_NAMES) if name in a.capture.split(",") else []
         try:
             sc = _scenario(name)
+            if a.attention_backend:  # else the pin's default (trace.run.engine_kwargs)
+                sc.engine.attention_backend = a.attention_backend
             try:
                 run_upstream(sc, run_dir=run_dir, capture=capture)
                 results[name] = {"status": "ok", "probes": True, "capture": capture}
@@ -225,7 +208,7 @@ def _upstream_tokens(sc, model_dir: str, dtype: str, backend: str | None, logpro
 
     from ..trace.run import engine_kwargs
 
-    kw = engine_kwargs(sc, Path(model_dir))
+    kw = engine_kwargs(sc, Path(model_dir), DEFAULT_PIN)
     kw["dtype"] = dtype
     for k in ("disable_log_stats", "use_tqdm_on_load"):
         kw.pop(k, None)

@@ -1,10 +1,15 @@
-"""Probes on the CPU attention backend (worker processes).
+"""Probes on the attention backends (worker processes): CPU_ATTN (v0.32.0, CPU),
+TRITON_ATTN and FLASH_ATTN (v0.21.0, CUDA). One declaration per backend and pin;
+`install.probes_for` picks the one the engine runs (`DEFAULT_BACKEND` unless the
+scenario names `engine.attention_backend`).
 
 The metadata builder's output is exactly what the attention kernel receives:
 sequence lengths, query offsets, block-table rows and the slot mapping.
 """
 
 from __future__ import annotations
+
+import operator
 
 import numpy as np
 
@@ -15,6 +20,23 @@ from .runner import int_list
 
 PINS = ("v0.32.0",)
 CPU_ATTN = "vllm.v1.attention.backends.cpu_attn"
+TRITON_ATTN = "vllm.v1.attention.backends.triton_attn"
+FLASH_ATTN = "vllm.v1.attention.backends.flash_attn"
+CUDA_PINS = ("v0.21.0",)
+# The backend each pin's engine runs when a scenario names none. v0.21.0 on CUDA is told
+# TRITON_ATTN (trace/run.py passes it): FLASH_ATTN, upstream's own CUDA default, has no fp32.
+DEFAULT_BACKEND = {"v0.32.0": "CPU_ATTN", "v0.21.0": "TRITON_ATTN"}
+# KV-cache tensor layout per backend (TRITON/FLASH: from their get_kv_cache_shape on v0.21.0).
+KV_LAYOUT = {
+    "CPU_ATTN": None,  # resolved from the cache config (e.g. LBHNC)
+    "TRITON_ATTN": "[blocks, 2, block_size, kv_heads, head]",
+    "FLASH_ATTN": "[2, blocks, block_size, kv_heads, head]",
+}
+
+
+def _np(t):
+    """A tensor's values as numpy: a view on CPU, one copy from the GPU."""
+    return t.numpy() if t.is_cpu else t.cpu().numpy()
 
 
 def _trim_rows(table: np.ndarray) -> list[list[int]]:
@@ -29,7 +51,7 @@ def _trim_rows(table: np.ndarray) -> list[list[int]]:
     nonzero = bt != 0
     widths = np.where(nonzero.any(axis=1), bt.shape[1] - np.argmax(nonzero[:, ::-1], axis=1), 0)
     rows = bt[:, : int(widths.max())].tolist()  # convert only the used columns
-    return [row[:w] for row, w in zip(rows, widths.tolist())]
+    return list(map(operator.getitem, rows, map(slice, widths.tolist())))  # row[:w], without a Python loop
 
 
 def _layers(builder) -> list[dict]:
@@ -51,14 +73,14 @@ def _layers(builder) -> list[dict]:
     return R.layers_info
 
 
-def _build_after(token, md, self, common_prefix_len, common_attn_metadata, *a, **kw):
+def _build_after(token, md, self, common_prefix_len, common_attn_metadata, *a, layout=None, **kw):
     if not R.in_execute:
         return  # warm-up and dummy runs are not engine steps
     num_reqs = common_attn_metadata.num_reqs
     n = md.num_actual_tokens
     # CPU backend: the tensors live in host memory; numpy views slice far cheaper than torch.
-    qsl = md.query_start_loc.numpy()[: num_reqs + 1].tolist()
-    slots = md.slot_mapping.numpy()[:n].tolist()
+    qsl = _np(md.query_start_loc)[: num_reqs + 1]
+    slots = _np(md.slot_mapping)[:n].tolist()
     if R.runner_pending is not None:
         R.runner_pending["slot_mapping"] = int_list(slots)
     capture.note_slots(slots)
@@ -68,13 +90,14 @@ def _build_after(token, md, self, common_prefix_len, common_attn_metadata, *a, *
             "proc": R.proc_dict("worker"),
             "kind": "attention",
             "backend": type(self).__name__.removesuffix("MetadataBuilder"),
-            "layout": _layout(self),
+            "layout": layout or _layout(self),
             "num_reqs": num_reqs,
-            "seq_lens": md.seq_lens.numpy()[:num_reqs].tolist(),
-            "query_lens": [b - a for a, b in zip(qsl, qsl[1:])],
-            "block_table": _trim_rows(md.block_table.numpy()[:num_reqs]),
+            "seq_lens": _np(md.seq_lens)[:num_reqs].tolist(),
+            "query_lens": np.diff(qsl).tolist(),
+            "block_table": _trim_rows(_np(md.block_table)[:num_reqs]),
             "layers": _layers(self),
-        }
+        },
+        flush=False,  # the runner record completes the step: one write() for both
     )
 
 
@@ -102,6 +125,32 @@ build = Probe(
     pins=PINS,
     after=_build_after,
     role="worker",
+    backend="CPU_ATTN",
 )
 
-PROBES = [build]
+
+def _build_probe(backend: str, module: str, cls: str) -> Probe:
+    """v0.21.0's CUDA builders: build(self, common_prefix_len, common_attn_metadata, fast_build=False)."""
+    layout = KV_LAYOUT[backend]
+
+    def after(token, md, self, common_prefix_len, common_attn_metadata, *a, **kw):
+        kw.pop("fast_build", None)
+        _build_after(token, md, self, common_prefix_len, common_attn_metadata, layout=layout)
+
+    return Probe(
+        name="attention.build",
+        target=f"{module}.{cls}.build",
+        params=("self", "common_prefix_len", "common_attn_metadata", "fast_build"),
+        records=build.records,
+        pins=CUDA_PINS,
+        after=after,
+        role="worker",
+        backend=backend,
+    )
+
+
+PROBES = [
+    build,
+    _build_probe("TRITON_ATTN", TRITON_ATTN, "TritonAttentionMetadataBuilder"),
+    _build_probe("FLASH_ATTN", FLASH_ATTN, "FlashAttentionMetadataBuilder"),
+]

@@ -32,6 +32,7 @@ class Probe:
     after: Callable[..., None] | None = None  # (token, result, *args, **kwargs)
     capture_only: bool = False  # installed only when tensors are captured
     role: str = "engine_core"  # which step counter its errors are filed under
+    backend: str | None = None  # attention backend it is written for (e.g. TRITON_ATTN); None: any
 
 
 @dataclass
@@ -96,24 +97,26 @@ def resolve(probe: Probe, pin: str) -> Resolved:
 
 def make_wrapper(r: Resolved, recorder) -> Callable:
     probe, original = r.probe, r.original
+    # Bound once: some targets (KVCacheManager.allocate_slots) run for every request every step.
+    name, before, after, capture_only = probe.name, probe.before, probe.after, probe.capture_only
 
     @functools.wraps(original)
     def wrapper(*args, **kwargs):
-        if not recorder.active or (probe.capture_only and not recorder.capture):
+        if not recorder.active or (capture_only and not recorder.capture):
             return original(*args, **kwargs)
         token = None
-        if probe.before is not None or recorder.fault == probe.name:
+        if before is not None or recorder.fault == name:
             try:
-                if recorder.fault == probe.name:
-                    raise RuntimeError(f"forced fault in probe {probe.name} ({FAULT_ENV})")
-                token = probe.before(*args, **kwargs)
+                if recorder.fault == name:
+                    raise RuntimeError(f"forced fault in probe {name} ({FAULT_ENV})")
+                token = before(*args, **kwargs)
             except Exception as e:  # observe only: never let a probe break the engine
                 recorder.probe_error(probe, e, traceback.format_exc())
                 token = _SKIP
         result = original(*args, **kwargs)
-        if probe.after is not None and token is not _SKIP:
+        if after is not None and token is not _SKIP:
             try:
-                probe.after(token, result, *args, **kwargs)
+                after(token, result, *args, **kwargs)
             except Exception as e:
                 recorder.probe_error(probe, e, traceback.format_exc())
         return result

@@ -6,7 +6,8 @@ Names are stable so comparisons can refer to them:
                         as in the runner record
   kv_blocks.layers.<i>  the KV-cache blocks this step wrote (ids in the
                         CaptureRecord's block_ids, ascending), after the write;
-                        CPU layout [block, kv_head, slot, K|V * head_dim]
+                        CPU layout [block, kv_head, slot, K|V * head_dim];
+                        CUDA backends (v0.21.0) save [block, K|V, kv_head, slot, head_dim]
 One file per step and rank: captures/step-<NNNN>.rank<r>.safetensors.
 """
 
@@ -19,6 +20,9 @@ from ..trace.writer import RECORDER as R
 from .base import Probe
 
 PINS = ("v0.32.0",)
+CUDA_PINS = ("v0.21.0",)
+CPU_LAYOUT = "[block, kv_head, slot, K|V * head_dim]"
+CANONICAL_LAYOUT = "[block, K|V, kv_head, slot, head_dim]"
 NAMES = ("attn_out", "kv_blocks")
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
@@ -30,7 +34,20 @@ def note_slots(slots: list[int]) -> None:
     _slots = slots
 
 
-def _forward_after(token, result, self, layer, query, key, value, kv_cache, attn_metadata, output, *a, **kw):
+# Per backend: the written blocks as saved, and their layout name (block_size is shape[2] in all three).
+def _cpu_blocks(kv_cache, blocks):
+    return kv_cache[blocks], CPU_LAYOUT
+
+
+def _triton_blocks(kv_cache, blocks):  # [blocks, 2, block_size, kv_heads, head]
+    return kv_cache[blocks].permute(0, 1, 3, 2, 4), CANONICAL_LAYOUT
+
+
+def _flash_blocks(kv_cache, blocks):  # [2, blocks, block_size, kv_heads, head]
+    return kv_cache[:, blocks].permute(1, 0, 3, 2, 4), CANONICAL_LAYOUT
+
+
+def _forward_after(token, result, self, layer, query, key, value, kv_cache, attn_metadata, output, *a, select=_cpu_blocks, **kw):
     if not R.in_execute or attn_metadata is None:
         return
     step = R.worker_step
@@ -45,8 +62,9 @@ def _forward_after(token, result, self, layer, query, key, value, kv_cache, attn
     if R.should_capture(name, step):
         block_size = kv_cache.shape[2]
         blocks = sorted({s // block_size for s in _slots if s >= 0})
-        R.captures[name] = kv_cache[blocks].detach().to("cpu", copy=True)
-        R.capture_meta[name] = {"block_ids": blocks, "layout": "[block, kv_head, slot, K|V * head_dim]"}
+        t, layout = select(kv_cache, blocks)
+        R.captures[name] = t.detach().to("cpu", copy=True)
+        R.capture_meta[name] = {"block_ids": blocks, "layout": layout}
 
 
 forward = Probe(
@@ -58,9 +76,34 @@ forward = Probe(
     after=_forward_after,
     capture_only=True,
     role="worker",
+    backend="CPU_ATTN",
 )
 
-PROBES = [forward]
+
+def _forward_probe(backend: str, target: str, select) -> Probe:
+    """v0.21.0's CUDA impls: forward(..., output, output_scale=None, output_block_scale=None)."""
+
+    def after(token, result, self, layer, query, key, value, kv_cache, attn_metadata, output, *a, **kw):
+        _forward_after(token, result, self, layer, query, key, value, kv_cache, attn_metadata, output, select=select)
+
+    return Probe(
+        name="capture.attention_forward",
+        target=target,
+        params=(*forward.params, "output_scale"),
+        records=forward.records,
+        pins=CUDA_PINS,
+        after=after,
+        capture_only=True,
+        role="worker",
+        backend=backend,
+    )
+
+
+PROBES = [
+    forward,
+    _forward_probe("TRITON_ATTN", "vllm.v1.attention.backends.triton_attn.TritonAttentionImpl.forward", _triton_blocks),
+    _forward_probe("FLASH_ATTN", "vllm.v1.attention.backends.flash_attn.FlashAttentionImpl.forward", _flash_blocks),
+]
 
 
 def flush(step: int) -> None:

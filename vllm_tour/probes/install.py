@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import os
 
+from ..errors import TourError
 from ..trace.writer import RECORDER
 from . import attention, capture, kv, runner, scheduler
 from .base import Probe, Resolved, install, resolve
 
 PIN_ENV = "VLLM_TOUR_PIN"
+BACKEND_ENV = "VLLM_TOUR_ATTN_BACKEND"  # set by run_upstream: the attention backend the engine runs
 
 # Order matters only for reading: scheduler side, then worker side.
 PROBES: list[Probe] = [*scheduler.PROBES, *kv.PROBES, *runner.PROBES, *attention.PROBES, *capture.PROBES]
@@ -26,14 +28,36 @@ def current_pin() -> str:
     return os.environ.get(PIN_ENV) or DEFAULT_PIN
 
 
-def check_probes(pin: str, probes: list[Probe] | None = None) -> list[Resolved]:
+def current_backend(pin: str) -> str | None:
+    return os.environ.get(BACKEND_ENV) or attention.DEFAULT_BACKEND.get(pin)
+
+
+def probes_for(pin: str, backend: str | None = None, probes: list[Probe] | None = None) -> list[Probe]:
+    """The declarations that apply on `pin` with attention backend `backend` (default: the pin's).
+
+    Probes without a backend apply on every pin (resolve() then refuses a pin they
+    were not checked against). Backend-specific ones (attention, capture) are
+    chosen by (pin, backend); a name with no declaration for both is an error.
+    """
+    probes = PROBES if probes is None else probes
+    backend = backend or attention.DEFAULT_BACKEND.get(pin)
+    out = [p for p in probes if p.backend is None or (p.backend == backend and pin in p.pins)]
+    chosen = {p.name for p in out}
+    for name in dict.fromkeys(p.name for p in probes if p.backend is not None and p.name not in chosen):
+        have = ", ".join(f"{d.backend} on {'/'.join(d.pins)}" for d in probes if d.name == name)
+        raise TourError(f"probe {name}: no declaration for attention backend {backend} on pin {pin} (declared: {have})")
+    return out
+
+
+def check_probes(pin: str, probes: list[Probe] | None = None, backend: str | None = None) -> list[Resolved]:
     """Resolve and signature-check every probe on `pin`; TourError names the first missing target."""
-    return [resolve(p, pin) for p in (PROBES if probes is None else probes)]
+    return [resolve(p, pin) for p in probes_for(pin, backend, probes)]
 
 
-def install_all(pin: str | None = None, probes: list[Probe] | None = None) -> int:
+def install_all(pin: str | None = None, probes: list[Probe] | None = None, backend: str | None = None) -> int:
     """Resolve, check and install the probes; switch the recorder on from the environment."""
-    resolved = check_probes(pin or current_pin(), probes)
+    pin = pin or current_pin()
+    resolved = check_probes(pin, probes, backend or current_backend(pin))
     n = install(resolved, RECORDER)
     RECORDER.activate_from_env()
     return n

@@ -13,7 +13,7 @@ from ..trace.writer import RECORDER as R
 from ..trace.writer import user_req_id
 from .base import Probe
 
-PINS = ("v0.32.0",)
+PINS = ("v0.32.0", "v0.21.0")
 KVM = "vllm.v1.core.kv_cache_manager.KVCacheManager"
 POOL = "vllm.v1.core.block_pool.BlockPool"
 

@@ -16,7 +16,7 @@ from ..trace.writer import user_req_id
 from . import capture
 from .base import Probe
 
-PINS = ("v0.32.0",)
+PINS = ("v0.32.0", "v0.21.0")
 RUNNER = "vllm.v1.worker.gpu_model_runner.GPUModelRunner"  # the CPU runner inherits these
 FULL_LIMIT = 256  # lists longer than this are summarized
 EDGE = 16
@@ -26,7 +26,8 @@ def int_list(values: list[int]) -> dict:
     """A schema.IntList as a dict: in full up to FULL_LIMIT values, else summarized."""
     if len(values) <= FULL_LIMIT:
         return {"full": values, "length": len(values), "head": [], "tail": [], "sha256": None}
-    digest = hashlib.sha256(",".join(map(str, values)).encode()).hexdigest()
+    # The digest of ",".join(map(str, values)); repr of an int list is the same text with ", ", built faster.
+    digest = hashlib.sha256(repr(values)[1:-1].replace(" ", "").encode()).hexdigest()
     return {"full": None, "length": len(values), "head": values[:EDGE], "tail": values[-EDGE:], "sha256": digest}
 
 
@@ -60,6 +61,7 @@ def _execute_after(token, result, self, *a, **kw):
 def _flush(output) -> None:
     p, R.runner_pending = R.runner_pending, None
     if p is None:
+        R.flush()  # an attention record written without its runner record still reaches the file
         return
     sampled: dict[str, list[int]] = {}
     ids = getattr(output, "req_ids", None)
@@ -68,13 +70,14 @@ def _flush(output) -> None:
         # Encoded before this hook returns, so no reference into the output outlives it.
         sampled = dict(zip(map(user_req_id, ids), tokens))
     req_ids = p.get("req_ids", [])
+    user_ids = list(sampled) if ids == req_ids and len(sampled) == len(req_ids) else list(map(user_req_id, req_ids))
     R.write(  # a schema.RunnerRecord, as a dict (see Recorder.write)
         {
             "step": p["step"],
             "proc": R.proc_dict("worker"),
             "kind": "runner",
             "num_tokens": p["num_tokens"],
-            "req_ids": list(map(user_req_id, req_ids)),
+            "req_ids": user_ids,
             "num_scheduled_tokens": list(map(p["sched"].__getitem__, req_ids)),
             "input_ids": p.get("input_ids") or int_list([]),
             "positions": p.get("positions") or int_list([]),

@@ -67,7 +67,22 @@ def new_run_dir(slug: str) -> Path:
     return path
 
 
-def engine_kwargs(scenario: Scenario, model_path: Path) -> dict:
+# Per-pin engine settings the pin's platform needs. v0.21.0 runs on CUDA: it is told its attention
+# backend (probes.attention.DEFAULT_BACKEND; upstream would pick FLASH_ATTN, which has no fp32) and
+# runs the synchronous scheduler, as v0.32.0 on CPU does (async scheduling would leave the runner
+# probe no sampled ids to read and shift decisions against the reimpl's step loop).
+PIN_ENGINE_ARGS: dict[str, dict] = {"v0.21.0": {"async_scheduling": False}}
+PIN_PASSES_BACKEND = {"v0.21.0"}  # pins whose engine is told the backend (0.21: attention_config)
+
+
+def attention_backend(scenario: Scenario, pin: str | None) -> str | None:
+    """The attention backend the engine runs for this scenario on this pin (None: unknown pin, engine's choice)."""
+    from ..probes.attention import DEFAULT_BACKEND
+
+    return scenario.engine.attention_backend or DEFAULT_BACKEND.get(pin or "")
+
+
+def engine_kwargs(scenario: Scenario, model_path: Path, pin: str | None = None) -> dict:
     e = scenario.engine
     kw = dict(
         model=str(model_path),
@@ -90,6 +105,11 @@ def engine_kwargs(scenario: Scenario, model_path: Path) -> dict:
         kw["max_num_seqs"] = e.max_num_seqs
     if e.tensor_parallel_size > 1:
         kw["distributed_executor_backend"] = "mp"
+    if e.attention_backend or pin in PIN_PASSES_BACKEND:
+        backend = attention_backend(scenario, pin)
+        if backend:
+            kw["attention_config"] = {"backend": backend}
+    kw.update(PIN_ENGINE_ARGS.get(pin or "", {}))
     return kw
 
 
@@ -148,15 +168,16 @@ def run_upstream(
     """
     from ..models import model_digest, resolve_model
     from ..pins import active_pin_tag
-    from ..probes.install import PIN_ENV, check_probes, install_all
+    from ..probes.install import BACKEND_ENV, PIN_ENV, check_probes, install_all
 
     tag = scenario.pin or active_pin_tag()
     check_pin(tag)
     names = _check_capture(capture)
     model_path = resolve_model(scenario.model)
+    backend = attention_backend(scenario, tag)
     if probes:
-        check_probes(tag)  # a missing target fails here, before any engine starts
-    kwargs = engine_kwargs(scenario, model_path)
+        check_probes(tag, backend=backend)  # a missing target fails here, before any engine starts
+    kwargs = engine_kwargs(scenario, model_path, tag)
 
     run_dir = Path(run_dir) if run_dir else new_run_dir(scenario.name)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -167,6 +188,8 @@ def run_upstream(
     shutil.rmtree(run_dir / "captures", ignore_errors=True)  # a rerun into the same dir starts clean
 
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0", PIN_ENV: tag}
+    if scenario.engine.attention_backend:  # else every process takes the pin's default
+        env[BACKEND_ENV] = scenario.engine.attention_backend
     if scenario.engine.tensor_parallel_size > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(scenario.engine.tensor_parallel_size))
     if probes:
@@ -204,7 +227,7 @@ def run_upstream(
         write_json_atomic(run_dir / "meta.json", meta.model_dump(mode="json"))
         try:
             if probes:
-                install_all(tag)  # this process; child processes install through the plugin
+                install_all(tag, backend=backend)  # this process; child processes install through the plugin
                 RECORDER.activate(run_dir.resolve(), ",".join(names), capture_steps, fault)
             outputs = _drive(scenario, kwargs, progress)
         except BaseException as e:

@@ -8,7 +8,6 @@ step counters and the small per-step scratch state the probes share.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import re
@@ -26,9 +25,18 @@ FAULT_ENV = "VLLM_TOUR_FAULT"  # a probe name: that probe raises (tests)
 _SUFFIX = re.compile(r"-[0-9a-f]{8}$")
 
 
-@functools.lru_cache(maxsize=4096)
-def user_req_id(internal_id: str) -> str:
-    return _SUFFIX.sub("", internal_id)
+class _UserIds(dict):
+    """internal id -> user id, computed once per id (a C-level dict lookup on hits)."""
+
+    def __missing__(self, internal_id: str) -> str:
+        if len(self) >= 65536:  # bounded: a long traced run sees many ids once each
+            self.clear()
+        user = self[internal_id] = _SUFFIX.sub("", internal_id)
+        return user
+
+
+# user_req_id(internal_id) -> the id the user gave; hot paths map() it over a batch's ids.
+user_req_id = _UserIds().__getitem__
 
 
 def parse_steps(spec: str) -> set[int] | None:
@@ -51,6 +59,7 @@ class Recorder:
         self.capture_steps: set[int] | None = None
         self.fault: str | None = None
         self._file = None
+        self._pending: list[bytes] = []  # encoded lines of this step not yet written (see write)
         self.reset_counters()
 
     def reset_counters(self) -> None:
@@ -92,9 +101,12 @@ class Recorder:
         self.close()
 
     def close(self) -> None:
+        if self._pending and self.run_dir is not None:
+            self.flush()
         if self._file is not None:
             self._file.close()
             self._file = None
+        self._pending = []
 
     def proc(self, role: str) -> Proc:
         return Proc(role=role, pid=os.getpid(), rank=self.rank if role == "worker" else 0)
@@ -102,24 +114,39 @@ class Recorder:
     def proc_dict(self, role: str) -> dict:
         return {"role": role, "pid": os.getpid(), "rank": self.rank if role == "worker" else 0}
 
-    def write(self, record) -> None:
+    def write(self, record, flush: bool = True) -> None:
         """Append one record: a schema model, or (on hot paths) a plain dict with the same fields.
 
         Hot-path probes build dicts because pydantic validation of a 64-request
         batch costs more than the rest of the probe; the reader validates every
         line against the schema, and the golden tests pin the field set.
+
+        `flush=False` keeps the encoded line until the next flushing write (or
+        close): a probe that writes two records in one step (scheduler + KV,
+        attention + runner) passes it on the first, so the step reaches the file
+        in one write() call. Lines are only ever written whole.
         """
-        if self._file is None:
-            assert self.run_dir is not None
-            path = self.run_dir / f"records.{os.getpid()}.jsonl"
-            # Unbuffered append, one write() per record: each record reaches the
-            # file as a whole line at once, so a killed run leaves a readable trace.
-            self._file = open(path, "ab", buffering=0)
         if isinstance(record, dict):
             line = _encode(record)
         else:
             line = record.model_dump_json().encode()
-        self._file.write(line + b"\n")
+        self._pending.append(line)
+        if flush:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write the pending lines (one write() call, whole lines only)."""
+        if not self._pending:
+            return
+        if self._file is None:
+            assert self.run_dir is not None
+            path = self.run_dir / f"records.{os.getpid()}.jsonl"
+            # Unbuffered append, one write() per step: each record reaches the
+            # file as a whole line at once, so a killed run leaves a readable trace.
+            self._file = open(path, "ab", buffering=0)
+        self._pending.append(b"")
+        data, self._pending = b"\n".join(self._pending), []
+        self._file.write(data)
 
     def probe_error(self, probe, error: Exception, tb: str) -> None:
         try:

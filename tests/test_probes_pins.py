@@ -1,0 +1,78 @@
+"""Probe declarations per pin and attention backend; v0.21.0 checked statically against its sources.
+
+v0.21.0 is a CUDA wheel that cannot be imported here, so its targets are resolved
+in the pin's source tree (libcst) with their leading parameters: a target missing
+on v0.21.0 fails in CI, not on the GPU machine.
+"""
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from vllm_tour.errors import TourError
+from vllm_tour.probes import install as inst
+from vllm_tour.probes.static import check_static
+
+
+@pytest.fixture(scope="module")
+def tree_v0210():
+    from vllm_tour.source.pinned import tree_for_pin
+
+    return tree_for_pin("v0.21.0")
+
+
+@pytest.mark.fetches_wheel  # downloads vllm==0.21.0's wheel once (cached), as test_source_cli does
+def test_every_v0210_target_resolves_in_its_sources(tree_v0210):
+    assert check_static("v0.21.0", tree_v0210) == []
+    names = {p.name for p in inst.probes_for("v0.21.0")}
+    assert names >= {"scheduler.schedule", "scheduler.preempt", "kv.allocate_slots", "kv.free", "kv.evict",
+                     "runner.execute_model", "runner.prepare_inputs", "runner.sample_tokens", "attention.build",
+                     "capture.attention_forward"}
+    for backend in ("TRITON_ATTN", "FLASH_ATTN"):
+        assert check_static("v0.21.0", tree_v0210, backends=[backend]) == []
+
+
+@pytest.mark.fetches_wheel
+def test_static_check_catches_a_missing_target_and_a_changed_signature(tree_v0210):
+    build = next(p for p in inst.probes_for("v0.21.0") if p.name == "attention.build")
+    gone = dataclasses.replace(build, target=build.target + "_v9")
+    renamed = dataclasses.replace(build, params=("self", "common_prefix_len", "metadata"))
+    probs = check_static("v0.21.0", tree_v0210, backends=["TRITON_ATTN"], probes=[gone])
+    assert len(probs) == 1 and "TritonAttentionMetadataBuilder.build_v9 not found on pin v0.21.0" in probs[0]
+    probs = check_static("v0.21.0", tree_v0210, backends=["TRITON_ATTN"], probes=[renamed])
+    assert len(probs) == 1 and "expected (self, common_prefix_len, metadata" in probs[0]
+    # v0.32.0's CPU backend module is no target on v0.21.0's declarations
+    assert all("cpu_attn" not in p.target for p in inst.probes_for("v0.21.0"))
+
+
+def test_static_check_agrees_with_import_on_the_installed_pin():
+    from vllm_tour.pins import pin_sources
+    from vllm_tour.source.resolve import SourceTree
+
+    assert check_static("v0.32.0", SourceTree(pin_sources("v0.32.0"), "pin v0.32.0")) == []
+
+
+def test_attention_probes_are_chosen_by_pin_and_backend():
+    def target(pin, backend=None):
+        return next(p.target for p in inst.probes_for(pin, backend) if p.name == "attention.build")
+
+    assert target("v0.32.0").endswith("cpu_attn.CPUAttentionMetadataBuilder.build")
+    assert target("v0.21.0").endswith("triton_attn.TritonAttentionMetadataBuilder.build")
+    assert target("v0.21.0", "FLASH_ATTN").endswith("flash_attn.FlashAttentionMetadataBuilder.build")
+    with pytest.raises(TourError, match="no declaration for attention backend FLASH_ATTN on pin v0.32.0"):
+        inst.probes_for("v0.32.0", "FLASH_ATTN")
+
+
+def test_engine_kwargs_per_pin():
+    from vllm_tour.scenario import scenario_from_dict
+    from vllm_tour.trace.run import engine_kwargs
+
+    sc = scenario_from_dict({"name": "t", "requests": [{"id": "r0", "prompt": "hi"}]})
+    cpu = engine_kwargs(sc, Path("/m"), "v0.32.0")
+    assert "attention_config" not in cpu and "async_scheduling" not in cpu  # v0.32.0 on CPU: as before
+    assert cpu == engine_kwargs(sc, Path("/m"))
+    cuda = engine_kwargs(sc, Path("/m"), "v0.21.0")
+    assert cuda["attention_config"] == {"backend": "TRITON_ATTN"} and cuda["async_scheduling"] is False
+    sc.engine.attention_backend = "FLASH_ATTN"
+    assert engine_kwargs(sc, Path("/m"), "v0.21.0")["attention_config"] == {"backend": "FLASH_ATTN"}

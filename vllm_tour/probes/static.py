@@ -1,0 +1,59 @@
+"""Check probe declarations against a pin's *sources*, without importing vLLM.
+
+A pin that cannot be imported here (v0.21.0: CUDA-only wheel) is still checked
+in CI: every target of `install.probes_for(pin, backend)` must resolve in the
+pin's source tree (libcst, `vllm_tour.source.resolve`) to a def whose leading
+parameters are the probe's. Methods inherited from a base class are not
+followed: a probe targets the class that defines the method.
+"""
+
+from __future__ import annotations
+
+import ast
+import textwrap
+
+from ..errors import TourError
+from .base import Probe
+
+
+def source_params(tree, qualname: str) -> list[str]:
+    """Parameter names of the def `qualname` in `tree` (a SourceTree); TourError if it is not a def."""
+    sym = tree.resolve(qualname)  # NotFound (a TourError) names close names
+    node = ast.parse(textwrap.dedent(sym.code)).body[0]
+    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        raise TourError(f"{qualname} is not a function on {tree.label}")
+    a = node.args
+    return [x.arg for x in (*a.posonlyargs, *a.args)] + ([a.vararg.arg] if a.vararg else []) + [x.arg for x in a.kwonlyargs]
+
+
+def check_static(pin: str, tree, backends: list[str | None] | None = None, probes: list[Probe] | None = None) -> list[str]:
+    """Problems (empty: all good) with the probes of `pin` on `tree`, for each backend declared for the pin."""
+    from .install import PROBES, probes_for
+
+    probes = PROBES if probes is None else probes
+    if backends is None:
+        backends = sorted({p.backend for p in probes if p.backend and pin in p.pins}) or [None]
+    problems: list[str] = []
+    seen: set[str] = set()
+    for backend in backends:
+        try:
+            chosen = probes_for(pin, backend, probes)
+        except TourError as e:
+            problems.append(str(e))
+            continue
+        for p in chosen:
+            if p.target in seen:
+                continue
+            seen.add(p.target)
+            if pin not in p.pins:
+                problems.append(f"probe {p.name} has not been checked against pin {pin} (target {p.target})")
+                continue
+            try:
+                names = source_params(tree, p.target)
+            except TourError as e:
+                problems.append(f"probe {p.name}: target {p.target} not found on pin {pin} ({e})")
+                continue
+            if tuple(names[: len(p.params)]) != p.params:
+                problems.append(f"probe {p.name}: target {p.target} on pin {pin} has parameters ({', '.join(names)}), "
+                                f"expected ({', '.join(p.params)}, ...)")
+    return problems
