@@ -37,6 +37,8 @@ class FreeBlockQueue:
     - a freed block *without* a hash goes to the FRONT (LIFO: reuse it soon);
     - a freed block *with* a hash goes to the BACK (LRU: keep it cached longest);
     - a cached block hit by a new request is pulled out of the middle (touch).
+    (The FRONT rule is v0.32.0's; older pins append every freed block: see
+    FREE_POLICIES below.)
     """
 
     def __init__(self, blocks: list[Block]):
@@ -65,10 +67,24 @@ class FreeBlockQueue:
         return list(self._q)
 
 
+# Where BlockPool.free_blocks puts a block whose last reference was dropped.
+# This changed upstream between the pins we compare against:
+# - "uncached_to_front" (v0.32.0, vllm/v1/core/block_pool.py BlockPool.free_blocks):
+#   blocks without a hash are *prepended* (LIFO reuse, "better GPU locality"),
+#   blocks with a hash are appended (LRU for the prefix cache);
+# - "append_all" (v0.21.0, same function): every freed block is appended, in the
+#   order given (the tail of a request first), hash or not.
+# The harness picks the policy from the upstream run's pin.
+FREE_POLICIES = ("uncached_to_front", "append_all")
+
+
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool):
+    def __init__(self, num_blocks: int, enable_caching: bool, free_policy: str = "uncached_to_front"):
+        if free_policy not in FREE_POLICIES:
+            raise ValueError(f"unknown free_policy {free_policy!r} (known: {', '.join(FREE_POLICIES)})")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
+        self.free_policy = free_policy
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         # hash -> {block_id: Block}, insertion ordered. Upstream does not
@@ -136,7 +152,8 @@ class BlockPool:
         for b in ordered_blocks:
             b.ref_cnt -= 1
             if b.ref_cnt == 0 and not b.is_null:
-                (to_front if b.block_hash is None or not self.enable_caching else to_back).append(b)
+                uncached = b.block_hash is None or not self.enable_caching
+                (to_front if uncached and self.free_policy == "uncached_to_front" else to_back).append(b)
         self.free_queue.prepend_n(to_front)
         self.free_queue.append_n(to_back)
 

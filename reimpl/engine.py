@@ -39,6 +39,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     reserve_full_sequence: bool = True  # upstream scheduler_reserve_full_isl
+    # Free-queue order of freed blocks (block_pool.FREE_POLICIES): "uncached_to_front"
+    # mirrors v0.32.0, "append_all" mirrors v0.21.0. Chosen per pin by the harness.
+    free_policy: str = "uncached_to_front"
 
 
 @dataclass
@@ -64,7 +67,8 @@ class Engine:
     def __init__(self, cfg: EngineConfig, model: Qwen3 | None = None):
         self.cfg = cfg
         self.model = model or Qwen3(cfg.model_dir)
-        self.kv = KVCacheManager(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching, cfg.max_model_len)
+        self.kv = KVCacheManager(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching, cfg.max_model_len,
+                                 cfg.free_policy)
         self.scheduler = Scheduler(
             self.kv, cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.max_model_len,
             cfg.enable_chunked_prefill, cfg.reserve_full_sequence,

@@ -60,11 +60,12 @@ def make_block_hasher(block_size: int):
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool, max_model_len: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool, max_model_len: int,
+                 free_policy: str = "uncached_to_front"):
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.max_model_len = max_model_len
-        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.block_pool = BlockPool(num_blocks, enable_caching, free_policy)
         self.req_to_blocks: dict[str, list[Block]] = {}
         # How many leading blocks of each request are already in the prefix cache.
         self.num_cached_block: dict[str, int] = {}

@@ -31,6 +31,9 @@ def test_reimpl_matches_upstream(compare_upstream, module, name):
         names = {t.name for t in result.tensors}
         assert {"attn_out.layers.0", "kv_blocks.layers.1"} <= names
         assert max(t.max_abs for t in result.tensors) <= 1e-5
+        tol = result.to_json()["tolerance"]  # CPU upstream: fp32 tolerance, v0.32.0 policies
+        assert (tol["atol"], tol["rtol"], tol["name"], tol["upstream_attention_backend"]) == (1e-5, 1e-5, "fp32", "CPUAttention")
+    assert not any(n.startswith("reimpl policy for pin") for n in result.notes)
 
 
 def test_scenarios_exercise_what_they_claim(upstream_run):

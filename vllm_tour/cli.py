@@ -252,8 +252,9 @@ def compare(
     explain: bool = typer.Option(False, "--explain", help="At the first divergence, print both sides' state (queues, budgets, block tables)."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the JSON report here (default: traces/runs/compare/<stamp>-<module>.json)."),
     fresh: bool = typer.Option(False, "--fresh", help="Re-run upstream instead of reusing its cached run of the scenario."),
-    atol: float = typer.Option(1e-5, help="Tensor tolerance: |reimpl - upstream| <= atol + rtol*|upstream|."),
-    rtol: float = typer.Option(1e-5, help="See --atol."),
+    atol: Optional[float] = typer.Option(None, help="Tensor tolerance: |reimpl - upstream| <= atol + rtol*|upstream|. "
+                                         "Default: by upstream's platform/backend (fp32: 1e-5; CUDA Triton attention, TF32 dots: 1e-2)."),
+    rtol: Optional[float] = typer.Option(None, help="See --atol."),
 ):
     """Run upstream (probes) and the reimpl on a scenario; diff tokens, per-step decisions, tensors. Exit 0 clean, 1 diverged, 2 could not run."""
     from .compare.command import run_compare

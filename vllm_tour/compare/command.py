@@ -14,7 +14,7 @@ from . import diffs, harness, report
 
 
 def run_compare(module: str, scenario: Path | None, all_scenarios: bool, explain: bool, json_out: Path | None,
-                fresh: bool, atol: float, rtol: float, console: Console) -> int:
+                fresh: bool, atol: float | None, rtol: float | None, console: Console) -> int:
     """0: every scenario clean; 1: some diverged; 2 (TourError): could not run."""
     harness.check_module(module)
     paths = harness.scenario_paths(all_scenarios, scenario)
@@ -46,7 +46,8 @@ def run_compare(module: str, scenario: Path | None, all_scenarios: bool, explain
     summary = {
         "module": module,
         "status": "could_not_run" if failed else ("clean" if all(r.clean for r in results) else "diverged"),
-        "tolerance": {"atol": atol, "rtol": rtol},
+        "tolerance": ({"atol": atol, "rtol": rtol} if atol is not None or rtol is not None
+                      else {"auto": "per scenario, by upstream's attention backend (see each scenario's tolerance)"}),
         "scenarios": [r.to_json() for r in results],
         "skipped": skipped,
         "could_not_run": failed,
@@ -81,4 +82,4 @@ def run_compare(module: str, scenario: Path | None, all_scenarios: bool, explain
     return 0 if all(r.clean for r in results) else 1
 
 
-DEFAULT_ATOL, DEFAULT_RTOL = diffs.ATOL, diffs.RTOL
+DEFAULT_ATOL, DEFAULT_RTOL = diffs.ATOL, diffs.RTOL  # fp32; harness.compare picks per upstream backend when not given

@@ -19,6 +19,38 @@ ATOL = 1e-5
 RTOL = 1e-5
 
 
+@dataclass(frozen=True)
+class Tolerance:
+    """A tensor tolerance with the reason it is what it is (both go into the report)."""
+
+    atol: float
+    rtol: float
+    name: str
+    reason: str
+
+
+FP32 = Tolerance(ATOL, RTOL, "fp32", "fp32 on both sides: only the order of summation differs")
+# Upstream's Triton attention (vllm/v1/attention/ops/triton_unified_attention.py, kernel_unified_attention_2d:
+# `S += scale * tl.dot(Q, K)`, `acc += tl.dot(P.to(V.dtype), V)`) passes no input_precision, and Triton's
+# default for fp32 x fp32 on NVIDIA tensor cores is "tf32" (triton/backends/nvidia/compiler.py
+# default_dot_input_precision; env TRITON_F32_DEFAULT). TF32 keeps 10 mantissa bits: inputs are cut to
+# ~2^-10 = 9.8e-4 relative, products are accumulated in fp32. vLLM's own fp32 matmuls stay full fp32
+# (VLLM_FLOAT32_MATMUL_PRECISION defaults to "highest", set in gpu_worker.Worker.__init__).
+# Measured: upstream CUDA vs reimpl max |Δ| 2.2e-3..3.6e-3 on attn_out (|attn_out| <= ~3.5); the reimpl with
+# its Q·K and P·V inputs truncated to TF32 on CPU gives 3.4e-3..4.5e-3 vs its own fp32. 1e-2 (~10 TF32 ulps)
+# leaves 2x headroom; a wrong block, slot or mask is off by O(0.1..1).
+TF32_DOTS = Tolerance(1e-2, 1e-2, "fp32, upstream attention dots in TF32",
+                      "upstream's Triton attention runs tl.dot in TF32 (Triton's fp32 default on NVIDIA): "
+                      "10-bit mantissa, ~1e-3 relative per product; 1e-2 = ~10 TF32 ulps")
+# Upstream attention backends (the trace's attention.backend) whose fp32 dots are TF32.
+TF32_BACKENDS = frozenset({"TritonAttention"})
+
+
+def tolerance_for(upstream_backend: str | None) -> Tolerance:
+    """The fp32 tensor tolerance for an upstream run, by the attention backend it recorded."""
+    return TF32_DOTS if upstream_backend in TF32_BACKENDS else FP32
+
+
 @dataclass
 class Divergence:
     kind: str  # "tokens" | "decision" | "tensor" | "missing"

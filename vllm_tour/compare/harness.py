@@ -29,6 +29,19 @@ CACHE_DIR = RUNS_DIR / "compare-cache"
 CAPTURES = ["attn_out", "kv_blocks"]
 CACHE_VERSION = 1  # bump when what we ask of upstream changes
 
+# Reimpl policy switches per upstream pin: where upstream's behaviour changed
+# between pins, the reimpl follows the pin of the run it is compared against.
+# Keys are EngineConfig fields; a pin not listed gets the reimpl's defaults (v0.32.0).
+PIN_POLICIES: dict[str, dict] = {
+    # v0.21.0 BlockPool.free_blocks appends every freed block to the free queue;
+    # v0.32.0 prepends the ones without a hash (vllm/v1/core/block_pool.py).
+    "v0.21.0": {"free_policy": "append_all"},
+}
+
+
+def pin_policies(pin: str | None) -> dict:
+    return dict(PIN_POLICIES.get(pin or "", {}))
+
 
 @dataclass
 class CompareResult:
@@ -44,6 +57,8 @@ class CompareResult:
     notes: list[str] = field(default_factory=list)
     explain: dict | None = None
     duration_s: float = 0.0
+    tolerance: diffs.Tolerance = diffs.FP32
+    upstream_backend: str | None = None
 
     @property
     def first(self) -> Divergence | None:
@@ -78,7 +93,9 @@ class CompareResult:
             "steps": {"upstream": self.steps_upstream, "reimpl": self.steps_reimpl},
             "first_divergence": first.to_json() if first else None,
             "first_tensor_out_of_tolerance": self.bad_tensors[0].to_json() if self.bad_tensors else None,
-            "tolerance": {"atol": diffs.ATOL, "rtol": diffs.RTOL, "rule": "|reimpl - upstream| <= atol + rtol * |upstream|, fp32",
+            "tolerance": {"atol": self.tolerance.atol, "rtol": self.tolerance.rtol, "name": self.tolerance.name,
+                          "reason": self.tolerance.reason, "upstream_attention_backend": self.upstream_backend,
+                          "rule": "|reimpl - upstream| <= atol + rtol * |upstream|",
                           "exact": ["tokens", "scheduler decisions", "block tables and pool events", "runner inputs and slot mapping"]},
             "tensor_summary": {"compared": len(self.tensors), "out_of_tolerance": len(self.bad_tensors),
                                "max_abs": worst.max_abs if worst else None},
@@ -313,7 +330,10 @@ def run_reimpl(scenario, meta: dict, up_steps: dict[int, dict], up_outputs: dict
         max_num_seqs=sched["max_num_seqs"],
         max_model_len=args.get("max_model_len") or scenario.engine.max_model_len,
         enable_prefix_caching=bool(kv["prefix_caching"]),
+        **pin_policies(meta.get("pin")),
     )
+    for k, v in pin_policies(meta.get("pin")).items():
+        notes.append(f"reimpl policy for pin {meta.get('pin')}: {k}={v}")
     eos = _eos_token_id(model_dir)
     by_id = {r.id: r for r in scenario.requests}
     requests = []
@@ -345,8 +365,11 @@ def run_reimpl(scenario, meta: dict, up_steps: dict[int, dict], up_outputs: dict
 
 def compare(module: str, scenario_path: Path | str, *, fresh: bool = False, upstream_run: Path | None = None,
             engine_factory: Callable | None = None, tensors: bool | None = None, explain: bool = False,
-            atol: float = diffs.ATOL, rtol: float = diffs.RTOL, progress=None) -> CompareResult:
-    """Compare one reimpl module with upstream on one scenario. TourError = could not run (exit 2)."""
+            atol: float | None = None, rtol: float | None = None, progress=None) -> CompareResult:
+    """Compare one reimpl module with upstream on one scenario. TourError = could not run (exit 2).
+
+    Tensor tolerance: atol/rtol when given, else chosen from the upstream run's attention
+    backend (diffs.tolerance_for: fp32 1e-5; TF32 dots on CUDA Triton 1e-2)."""
     from ..scenario import load_scenario
 
     t0 = time.perf_counter()
@@ -364,6 +387,12 @@ def compare(module: str, scenario_path: Path | str, *, fresh: bool = False, upst
         raise TourError(f"upstream run {run_dir} has probe errors (first: {errors[0]['probe']}: {errors[0]['error']})")
     if tensors is None:
         tensors = module in TENSOR_MODULES
+    backend = next((s["attention"].get("backend") for _, s in sorted(up_steps.items()) if s.get("attention")), None)
+    tol = diffs.tolerance_for(backend)
+    if atol is not None or rtol is not None:
+        tol = diffs.Tolerance(tol.atol if atol is None else atol, tol.rtol if rtol is None else rtol, "given",
+                              "set by the caller (--atol/--rtol)")
+    atol, rtol = tol.atol, tol.rtol
     engine_factory = engine_factory or _engine_factory_for(module)
     collected: list = []
     crash: Divergence | None = None
@@ -408,7 +437,7 @@ def compare(module: str, scenario_path: Path | str, *, fresh: bool = False, upst
     tokens = {rid: {"upstream": up_outputs.get(rid), "reimpl": re_outputs.get(rid), "forced": rid in forced}
               for rid in sorted(set(up_outputs) | set(re_outputs))}
     result = CompareResult(module, scenario.name, str(scenario_path), str(run_dir), len(up_steps), len(re_steps),
-                           tokens, divs, tstats, notes)
+                           tokens, divs, tstats, notes, tolerance=tol, upstream_backend=backend)
     if not tensors:
         result.notes.append("tensors not compared for this module (use reimpl.paged_attn or reimpl.triton_attn)")
     if explain or not result.clean:

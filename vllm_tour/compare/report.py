@@ -52,7 +52,9 @@ def render(result: CompareResult, console: Console, explain: bool = False, max_r
                       "preemptions, finishes, block tables, new/freed/evicted blocks, prefix hits, runner inputs, slot mapping")
 
     if result.tensors:
-        tt = Table(title=f"tensors (tolerance: |Δ| ≤ {j['tolerance']['atol']:g} + {j['tolerance']['rtol']:g}·|upstream|, fp32)")
+        tol = j["tolerance"]
+        tt = Table(title=f"tensors (tolerance {tol.get('name', 'fp32')}: |Δ| ≤ {tol['atol']:g} + {tol['rtol']:g}·|upstream|)",
+                   caption=tol.get("reason"))
         for col in ("name", "steps", "max |Δ|", "max rel", "ok"):
             tt.add_column(col)
         by_name: dict[str, list] = {}
