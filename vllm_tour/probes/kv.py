@@ -106,28 +106,35 @@ def kv_record(scheduler, step: int, scratch: dict) -> dict:
     kvm = scheduler.kv_cache_manager
     pool = kvm.block_pool
     manager = kvm.coordinator.single_type_managers[0]
-    tables = {
-        user_req_id(rid): [b.block_id for b in blocks]
-        for rid, blocks in list(manager.req_to_blocks.items())
-        if blocks
-    }
+    # Full attention only appends to a request's block list (a preempted request's
+    # list is dropped, and it is not rescheduled in the same step), so a list with
+    # the previous record's length and last block is unchanged: its copy is reused.
+    append_only = type(manager).__name__ == "FullAttentionManager"
     hit_ids = {h["req_id"]: h["block_ids"] for h in scratch["hits"]}
-    prev, R.kv_prev_tables = R.kv_prev_tables, tables
+    prev = R.kv_prev_tables
+    tables: dict[str, list[int]] = {}
     allocated = {}
-    for rid, ids in tables.items():
-        old = prev.get(rid)
+    for rid, blocks in list(manager.req_to_blocks.items()):
+        if not blocks:
+            continue
+        uid = user_req_id(rid)
+        old = prev.get(uid)
+        if old is not None and len(blocks) == len(old) and blocks[-1].block_id == old[-1]:
+            # the common decode step: nothing changed
+            tables[uid] = old if append_only else [b.block_id for b in blocks]
+            continue
+        ids = tables[uid] = [b.block_id for b in blocks]
         if old is None:  # new, or resumed after preemption: all but the reused blocks are new
-            reused = hit_ids.get(rid, ())
+            reused = hit_ids.get(uid, ())
             new = [b for b in ids if b not in reused]
-        elif len(ids) == len(old) and ids[-1] == old[-1]:
-            continue  # the common decode step: nothing changed
         elif ids[: len(old)] == old:
             new = ids[len(old) :]
         else:  # blocks replaced in place (not seen with full attention)
             seen = set(old)
             new = [b for b in ids if b not in seen]
         if new:
-            allocated[rid] = new
+            allocated[uid] = new
+    R.kv_prev_tables = tables
     freed, R.kv_pending_freed = R.kv_pending_freed, []
     evicted, R.kv_pending_evicted = R.kv_pending_evicted, []
     return {  # a schema.KVRecord, as a dict (see Recorder.write)

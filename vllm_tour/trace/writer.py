@@ -75,6 +75,7 @@ class Recorder:
         self.preempted: list = []
         self.runner_pending = None
         self.layers_info = None
+        self.attn_prev_table = None  # (copy of the previous step's block table, its trimmed rows)
         self.captures: dict[str, object] = {}
         self.capture_meta: dict[str, dict] = {}
 
