@@ -1,6 +1,7 @@
-"""Golden traces recorded on the H200 (upstream vLLM 0.21.0, CUDA, TRITON_ATTN, fp32) by
-vllm_tour/gpu/cuda_run.sh. They cannot be re-recorded on CPU; what is checked here: every
-probe family recorded on CUDA, and the reimpl's decisions and tokens against them."""
+"""Golden traces recorded on the H200 (upstream vLLM 0.21.0, CUDA, TRITON_ATTN, fp32 with
+TRITON_F32_DEFAULT=ieee, i.e. upstream's Triton attention dots in true fp32) by
+`vllm_tour/gpu/cuda_run.sh --triton-f32 ieee`. They cannot be re-recorded on CPU; what is checked
+here: every probe family recorded on CUDA, and the reimpl's decisions and tokens against them."""
 
 import json
 import math
@@ -24,6 +25,7 @@ def test_cuda_golden_has_every_record_kind(name):
     assert meta["pin"] == "v0.21.0" and meta["status"] == "ok"
     assert meta["engine_args"]["attention_config"] == {"backend": "TRITON_ATTN"}
     assert meta["engine_args"]["async_scheduling"] is False
+    assert meta["env"] == {"TRITON_F32_DEFAULT": "ieee"}  # kept by write_golden: it decides the numbers
     recs = [json.loads(line) for line in (d / "records.0.jsonl").read_text().splitlines()]
     kinds = {r["kind"] for r in recs}
     assert kinds == {"scheduler", "kv", "attention", "runner"}  # and no probe_error
@@ -35,27 +37,30 @@ def test_cuda_golden_has_every_record_kind(name):
     load_run(d)  # the reader takes it
 
 
-def _golden_run(tmp_path, name) -> Path:
+def _golden_run(tmp_path, name, env: dict | None = None) -> Path:
     from vllm_tour.models import resolve_model
 
     run = tmp_path / name
     shutil.copytree(V0210 / name, run)
     meta = json.loads((run / "meta.json").read_text())
     meta["model_path"] = str(resolve_model(meta["model"]))  # goldens store "<cache>/…"
+    if env is not None:
+        meta["env"] = env
     (run / "meta.json").write_text(json.dumps(meta))
     return run
 
 
-def _compare_golden(tmp_path, name, module="reimpl.chunked_prefill", **kw) -> dict:
+def _compare_golden(tmp_path, name, module="reimpl.chunked_prefill", env=None, **kw) -> dict:
     from vllm_tour.compare import harness
 
-    return harness.compare(module, harness.SCENARIOS_DIR / f"{name}.toml", upstream_run=_golden_run(tmp_path, name),
-                           **kw).to_json()
+    return harness.compare(module, harness.SCENARIOS_DIR / f"{name}.toml",
+                           upstream_run=_golden_run(tmp_path, name, env), **kw).to_json()
 
 
-@pytest.mark.parametrize("name", ["single", "chunked_prefill", "preemption"])
+@pytest.mark.parametrize("name", NAMES)
 def test_reimpl_matches_upstream_cuda_exactly(tmp_path, name):
-    """fp32: reimpl.chunked_prefill (on CPU) vs upstream's CUDA engine: decisions and tokens identical."""
+    """fp32: reimpl.chunked_prefill (on CPU) vs upstream's CUDA engine with IEEE fp32 attention dots:
+    decisions and tokens identical -- shared_prefix's near-tie included."""
     r = _compare_golden(tmp_path, name)
     assert r["status"] == "clean", r["first_divergence"]
     assert "reimpl policy for pin v0.21.0: free_policy=append_all" in r["notes"]
@@ -105,31 +110,46 @@ def _tf32_engine(cfg):
     return Engine(cfg, model=Qwen3(cfg.model_dir, attention=tf32_paged_attention))
 
 
-def test_shared_prefix_differs_only_by_tf32(tmp_path):
-    """The prefix-hit request's first token: same decisions on both sides (64 of 90 tokens hit, 26 recomputed at
-    positions 64..89), but its top-2 logits are 6e-4 apart in fp32, so upstream's TF32 attention dots flip the
-    argmax. With TF32-emulated attention the reimpl matches upstream's CUDA run exactly."""
-    r = _compare_golden(tmp_path, "shared_prefix")
+def test_shared_prefix_near_tie_flips_with_tf32(tmp_path):
+    """The prefix-hit request's first token: 64 of 90 tokens hit, 26 recomputed at positions 64..89; its top-2
+    logits are 6e-4 apart in fp32. Upstream with TF32 attention dots (Triton's default on NVIDIA) sampled 469
+    there (the H200 run of 2026-11-29, traces/gpu-results/20261129-h200-v0.21.0-probes); with IEEE fp32 dots
+    (this golden) it samples 335, as the plain fp32 reimpl does (test above). The reimpl with TF32-emulated
+    attention flips the same tie the same way: TF32 explains the whole difference."""
+    r = _compare_golden(tmp_path, "shared_prefix", engine_factory=_tf32_engine)
     first = r["first_divergence"]
     assert (first["step"], first["field"]) == (3, "runner.sampled_token_ids[second]")
-    assert (first["upstream"], first["reimpl"]) == ([469], [335])
+    assert (first["upstream"], first["reimpl"]) == ([335], [469])
     assert all(d["step"] is None or d["step"] >= 3 for d in r["divergences"])
     assert all(d["field"].startswith("runner.sampled_token_ids") or d["step"] is None or d["step"] > 3
                for d in r["divergences"])
-    r = _compare_golden(tmp_path / "tf32", "shared_prefix", engine_factory=_tf32_engine)
-    assert r["status"] == "clean", r["first_divergence"]
 
 
-def test_cuda_triton_run_gets_tf32_tolerance(tmp_path):
+def test_cuda_triton_tolerance_follows_the_recorded_f32_default(tmp_path):
+    """The golden recorded TRITON_F32_DEFAULT=ieee: fp32's 1e-5. The same backend without it (Triton's default,
+    TF32 dots): 1e-2. --atol/--rtol still win."""
     from vllm_tour.compare import diffs
 
     r = _compare_golden(tmp_path, "single", module="reimpl.paged_attn")
     tol = r["tolerance"]
     assert tol["upstream_attention_backend"] == "TritonAttention"
+    assert (tol["atol"], tol["rtol"], tol["name"]) == (1e-5, 1e-5, "fp32") and "TRITON_F32_DEFAULT=ieee" in tol["reason"]
+    r = _compare_golden(tmp_path / "tf32", "single", module="reimpl.paged_attn", env={})
+    tol = r["tolerance"]
     assert (tol["atol"], tol["rtol"], tol["name"]) == (1e-2, 1e-2, diffs.TF32_DOTS.name) and "TF32" in tol["reason"]
-    r = _compare_golden(tmp_path / "given", "single", module="reimpl.paged_attn", atol=1e-4)
+    r = _compare_golden(tmp_path / "given", "single", module="reimpl.paged_attn", env={}, atol=1e-4)
     assert (r["tolerance"]["atol"], r["tolerance"]["rtol"], r["tolerance"]["name"]) == (1e-4, 1e-2, "given")
+
+
+def test_tolerance_for_backend_and_env():
+    from vllm_tour.compare import diffs
+
     assert diffs.tolerance_for("CPUAttention") == diffs.FP32 and diffs.tolerance_for(None) == diffs.FP32
+    assert diffs.tolerance_for("CPUAttention", {"TRITON_F32_DEFAULT": "tf32"}) == diffs.FP32
+    assert diffs.tolerance_for("TritonAttention") == diffs.TF32_DOTS
+    assert diffs.tolerance_for("TritonAttention", {"TRITON_F32_DEFAULT": "tf32"}) == diffs.TF32_DOTS
+    ieee = diffs.tolerance_for("TritonAttention", {"TRITON_F32_DEFAULT": "ieee"})
+    assert (ieee.atol, ieee.rtol, ieee.name) == (1e-5, 1e-5, "fp32") and ieee == diffs.FP32_IEEE_DOTS
 
 
 def test_tf32_tolerance_is_needed_and_enough(compare_upstream):

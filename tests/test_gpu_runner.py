@@ -97,3 +97,50 @@ def test_cuda_run_stops_while_parts_are_missing(tmp_path):
                        env=dict(os.environ, OUT=str(tmp_path / "out")))
     assert p.returncode == 3
     assert "assemble rc=3" in p.stdout and "staged" in p.stdout
+
+
+def test_archive_leaves_captures_out_and_stays_under_the_cap(tmp_path):
+    """What comes back is one file of at most 16 MiB: captures never go in; if still too big, the biggest
+    files are left out and ARCHIVE.json says which."""
+    out = tmp_path / "out"
+    run = out / "traces" / "cmp_single"
+    (run / "captures").mkdir(parents=True)
+    (run / "meta.json").write_text("{}")
+    (run / "captures" / "step-0001.rank0.safetensors").write_bytes(os.urandom(300_000))
+    (out / "compare-reimpl_paged_attn.json").write_text("[]")
+    (out / "traces.tar.gz").write_bytes(os.urandom(1000))
+    (out / "log").write_text("the log stays beside the archive")
+    info = runner.archive(out)
+    assert sorted(p.name for p in out.iterdir()) == ["log", "results.tar.gz"]
+    with tarfile.open(out / "results.tar.gz") as tf:
+        names = tf.getnames()
+        meta = __import__("json").loads(tf.extractfile("ARCHIVE.json").read())
+    assert "traces/cmp_single/meta.json" in names and "compare-reimpl_paged_attn.json" in names
+    assert not any("captures" in n for n in names) and "traces.tar.gz" not in names and "log" not in names
+    assert meta["captures_left_out"] == 1 and info["too_big_left_out"] == [] and info["bytes"] < runner.ARCHIVE_MAX_BYTES
+
+    (out / "big.bin").write_bytes(os.urandom(120_000))  # random bytes do not compress
+    (out / "small.json").write_text("{}")
+    info = runner.archive(out, max_bytes=60_000)
+    with tarfile.open(out / "results.tar.gz") as tf:
+        names = tf.getnames()
+    assert info["bytes"] <= 60_000 and "small.json" in names and "big.bin" not in names
+    assert info["too_big_left_out"][0].startswith("big.bin")
+
+
+def test_triton_f32_reaches_every_step_and_trace_scenarios_are_traced_once():
+    a = runner.build_parser().parse_args(["all", "--out", "/tmp/x", "--triton-f32", "ieee", "--trace-scenarios",
+                                          "single,shared_prefix", "--compare-scenarios", "cmp_single,shared_prefix"])
+    assert runner.step_env({"PATH": "/bin"}, a.triton_f32)["TRITON_F32_DEFAULT"] == "ieee"
+    assert "TRITON_F32_DEFAULT" not in runner.step_env({}, None)
+    cmd = runner.step_commands(a)["trace"]
+    assert cmd[cmd.index("--scenarios") + 1] == "single,shared_prefix,cmp_single"
+    with pytest.raises(SystemExit):
+        runner.build_parser().parse_args(["all", "--triton-f32", "fp64"])
+
+
+def test_triton_f32_is_recorded_in_the_run_env(monkeypatch):
+    from vllm_tour.trace.run import env_allow_list
+
+    monkeypatch.setenv("TRITON_F32_DEFAULT", "ieee")
+    assert env_allow_list()["TRITON_F32_DEFAULT"] == "ieee"

@@ -46,9 +46,20 @@ TF32_DOTS = Tolerance(1e-2, 1e-2, "fp32, upstream attention dots in TF32",
 TF32_BACKENDS = frozenset({"TritonAttention"})
 
 
-def tolerance_for(upstream_backend: str | None) -> Tolerance:
-    """The fp32 tensor tolerance for an upstream run, by the attention backend it recorded."""
-    return TF32_DOTS if upstream_backend in TF32_BACKENDS else FP32
+# The same backend with Triton's fp32 dot default overridden to IEEE (TRITON_F32_DEFAULT=ieee, recorded in the
+# run's meta.env): every product in full fp32, so fp32's tolerance applies again.
+FP32_IEEE_DOTS = Tolerance(ATOL, RTOL, "fp32",
+                           "fp32 on both sides: upstream's Triton dots in IEEE fp32 (TRITON_F32_DEFAULT=ieee); "
+                           "only the order of summation differs")
+
+
+def tolerance_for(upstream_backend: str | None, env: dict | None = None) -> Tolerance:
+    """The fp32 tensor tolerance for an upstream run, by the attention backend and the env (meta.env) it recorded."""
+    if upstream_backend not in TF32_BACKENDS:
+        return FP32
+    if ((env or {}).get("TRITON_F32_DEFAULT") or "").strip().lower() == "ieee":
+        return FP32_IEEE_DOTS
+    return TF32_DOTS
 
 
 @dataclass

@@ -168,11 +168,32 @@ def _use_triton_interpreter_without_gpu() -> None:
 def _engine_factory_for(module: str) -> Callable | None:
     if module != "reimpl.triton_attn":
         return None
+    import os
+
+    import torch
+
     from reimpl.engine import Engine
     from reimpl.qwen3 import Qwen3
     from reimpl.triton_attn import engine_attention
 
-    return lambda cfg: Engine(cfg, model=Qwen3(cfg.model_dir, attention=engine_attention))
+    attention = engine_attention
+    if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        attention = _on_gpu(engine_attention)
+    return lambda cfg: Engine(cfg, model=Qwen3(cfg.model_dir, attention=attention))
+
+
+def _on_gpu(attention: Callable) -> Callable:
+    """The mini engine keeps its tensors on the CPU; a compiled Triton kernel needs them on the GPU.
+    K/V are written into the engine's (CPU) cache as usual, the cache and the queries go to the GPU
+    for the kernel, and the output comes back: the engine, its captures and its decisions are unchanged."""
+    from types import SimpleNamespace
+
+    def attend(q, k_new, v_new, cache, meta):
+        cache.write(k_new, v_new, meta.slot_mapping)
+        on_gpu = SimpleNamespace(k=cache.k.cuda(), v=cache.v.cuda(), write=lambda *_: None)
+        return attention(q.cuda(), k_new, v_new, on_gpu, meta).cpu()
+
+    return attend
 
 
 # --- upstream side -----------------------------------------------------------------------
@@ -369,7 +390,8 @@ def compare(module: str, scenario_path: Path | str, *, fresh: bool = False, upst
     """Compare one reimpl module with upstream on one scenario. TourError = could not run (exit 2).
 
     Tensor tolerance: atol/rtol when given, else chosen from the upstream run's attention
-    backend (diffs.tolerance_for: fp32 1e-5; TF32 dots on CUDA Triton 1e-2)."""
+    backend and env (diffs.tolerance_for: fp32 1e-5; TF32 dots on CUDA Triton 1e-2, unless the run
+    recorded TRITON_F32_DEFAULT=ieee)."""
     from ..scenario import load_scenario
 
     t0 = time.perf_counter()
@@ -388,7 +410,7 @@ def compare(module: str, scenario_path: Path | str, *, fresh: bool = False, upst
     if tensors is None:
         tensors = module in TENSOR_MODULES
     backend = next((s["attention"].get("backend") for _, s in sorted(up_steps.items()) if s.get("attention")), None)
-    tol = diffs.tolerance_for(backend)
+    tol = diffs.tolerance_for(backend, meta.get("env"))
     if atol is not None or rtol is not None:
         tol = diffs.Tolerance(tol.atol if atol is None else atol, tol.rtol if rtol is None else rtol, "given",
                               "set by the caller (--atol/--rtol)")

@@ -18,7 +18,7 @@ export VLLM_USE_FLASHINFER_SAMPLER=0 TVM_FFI_DISABLE_TORCH_C_DLPACK=1 VLLM_NO_US
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 python3 -m vllm_tour.gpu.runner all --out "$OUT" --deadline-s "${DEADLINE_S:-$(( 560 - ($(date +%s) - t0) ))}" "$@"
 rc=$?
-# At most 8 files come back: everything but the log goes into one archive.
-(cd "$OUT" && tar -czf /tmp/results.tar.gz --exclude=./log --exclude=./results.tar.gz . \
-  && find . -mindepth 1 -maxdepth 1 ! -name log -exec rm -rf {} + && mv /tmp/results.tar.gz results.tar.gz)
+# At most 8 files come back, 16 MiB each: everything but the log goes into one archive, captures left out
+# (the runner's `archive`, tested on CPU; it drops the biggest files if still too big and says so).
+python3 -m vllm_tour.gpu.runner archive --out "$OUT" || echo "[cuda_run] archive failed"
 exit $rc

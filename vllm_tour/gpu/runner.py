@@ -19,6 +19,15 @@ deadline, so a hang costs that step only; results go under OUT):
   race     vllm_tour/bench/race_gpu.py                                      race.json
   pack     traces.tar.gz (the trace runs, small), summary.json
 
+`archive` (run by cuda_run.sh last) folds OUT into one results.tar.gz under 16 MiB
+(at most 8 files come back): tensor captures are never in it, and the biggest
+files go first if it is still too big (named in its ARCHIVE.json).
+
+`--triton-f32 ieee` sets TRITON_F32_DEFAULT=ieee for every step: Triton's fp32
+`tl.dot` (upstream's TRITON_ATTN kernel passes no input_precision) then runs in
+IEEE fp32 instead of NVIDIA's default TF32. The trace's meta.env records it, and
+compare's tensor tolerance follows it (diffs.tolerance_for: fp32 1e-5).
+
 Upstream's attention backend is the pin's (v0.21.0: TRITON_ATTN, passed as
 `attention_config` by trace.run.engine_kwargs) or `--attention-backend`, which
 sets each scenario's `engine.attention_backend`.
@@ -47,6 +56,8 @@ STEPS = ("doctor", "race", "trace", "compare", "tokens", "pack")  # the race fir
 # Seconds each step is given at most (the overall deadline may give less).
 STEP_LIMITS = {"doctor": 60, "trace": 240, "compare": 150, "tokens": 150, "race": 330, "pack": 30}
 RESERVE_S = 25  # kept back for packing whatever exists
+ARCHIVE_MAX_BYTES = 15 << 20  # one file back is at most 16 MiB
+TRITON_F32_ENV = "TRITON_F32_DEFAULT"
 
 
 @dataclass
@@ -100,6 +111,60 @@ def pack(out: Path, dirs: list[Path], name: str = "traces.tar.gz", max_bytes: in
     if size > max_bytes:
         size, dropped = build(True), True
     return {"file": name, "bytes": size, "captures_dropped": dropped, "runs": [Path(d).name for d in dirs if Path(d).is_dir()]}
+
+
+def archive(out: Path, name: str = "results.tar.gz", max_bytes: int = ARCHIVE_MAX_BYTES,
+            keep: tuple[str, ...] = ("log",)) -> dict:
+    """Fold everything under OUT (but `keep` and the archive) into one tar.gz under max_bytes, then remove it.
+
+    Tensor captures (any path with a `captures` folder) never go in: they are large and the compare JSON
+    already holds what they showed. traces.tar.gz is left out too (traces/ itself goes in). If the archive is
+    still too big, the biggest files are left out one by one; ARCHIVE.json inside names what was left out.
+    """
+    import io
+    import shutil
+
+    out = Path(out)
+    path = out / name
+    skip = set(keep) | {name, "traces.tar.gz"}
+    files = sorted(f for f in out.rglob("*") if f.is_file() and f.relative_to(out).parts[0] not in skip
+                   and "captures" not in f.relative_to(out).parts)
+    n_captures = sum(1 for f in out.rglob("*") if f.is_file() and "captures" in f.relative_to(out).parts)
+    left_out: list[str] = []
+
+    def build(chosen: list[Path]) -> int:
+        info = {"files": len(chosen), "captures_left_out": n_captures, "too_big_left_out": left_out}
+        with tarfile.open(path, "w:gz") as tf:
+            for f in chosen:
+                tf.add(f, arcname=str(f.relative_to(out)))
+            data = json.dumps(info, indent=1).encode()
+            ti = tarfile.TarInfo("ARCHIVE.json")
+            ti.size = len(data)
+            tf.addfile(ti, io.BytesIO(data))
+        return path.stat().st_size
+
+    chosen = list(files)
+    size = build(chosen)
+    while size > max_bytes and chosen:
+        big = max(chosen, key=lambda f: f.stat().st_size)
+        chosen.remove(big)
+        left_out.append(f"{big.relative_to(out)} ({big.stat().st_size} bytes)")
+        size = build(chosen)
+    for child in out.iterdir():
+        if child.name in set(keep) | {name}:
+            continue
+        shutil.rmtree(child) if child.is_dir() else child.unlink()
+    return {"file": name, "bytes": size, "files": len(chosen), "captures_left_out": n_captures, "too_big_left_out": left_out}
+
+
+def step_env(base: dict, triton_f32: str | None) -> dict:
+    """The environment every step runs in (TRITON_F32_DEFAULT when --triton-f32 is given)."""
+    env = dict(base, PYTHONUNBUFFERED="1", VLLM_USE_FLASHINFER_SAMPLER="0", TVM_FFI_DISABLE_TORCH_C_DLPACK="1",
+               VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               TOKENIZERS_PARALLELISM="false")
+    if triton_f32:
+        env[TRITON_F32_ENV] = triton_f32
+    return env
 
 
 # --- the bf16 / fp32 token rules ----------------------------------------------------------
@@ -298,7 +363,8 @@ def step_commands(a) -> dict[str, list[str]]:
     common = ["--out", str(a.out), "--attention-backend", a.attention_backend or ""]
     return {
         "doctor": [py, "-m", "vllm_tour", "doctor", "--pin", a.pin],
-        "trace": [py, "-m", me, "trace", *common, "--scenarios", ",".join([*a.trace_scenarios, *a.compare_scenarios]),
+        "trace": [py, "-m", me, "trace", *common,
+                  "--scenarios", ",".join(dict.fromkeys([*a.trace_scenarios, *a.compare_scenarios])),
                   "--capture", ",".join(a.compare_scenarios)],
         "compare": [py, "-m", me, "compare", *common, "--scenarios", ",".join(a.compare_scenarios),
                     "--modules", ",".join(a.modules)],
@@ -314,9 +380,7 @@ def cmd_all(a) -> int:
     out.mkdir(parents=True, exist_ok=True)
     site = Path(os.environ.get("VLLM_TOUR_GPU_SITE", "/tmp/tour-site"))
     make_tour_dist(site)
-    env = dict(os.environ, PYTHONUNBUFFERED="1", VLLM_USE_FLASHINFER_SAMPLER="0", TVM_FFI_DISABLE_TORCH_C_DLPACK="1",
-               VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false")
+    env = step_env(dict(os.environ), a.triton_f32)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (a.site, str(REPO), str(site), env.get("PYTHONPATH")) if p)
     cmds = step_commands(a)
     results: list[StepResult] = []
@@ -347,7 +411,8 @@ def cmd_all(a) -> int:
         results.append(StepResult(name, status, round(time.time() - t0, 1), "\n".join(tail)[-2500:]))
         print("\n".join(tail), flush=True)
         print(f"=== {name}: {status} in {time.time() - t0:.1f} s", flush=True)
-    summary = {"pin": a.pin, "attention_backend": a.attention_backend, "seconds": round(time.time() - started, 1),
+    summary = {"pin": a.pin, "attention_backend": a.attention_backend, TRITON_F32_ENV: env.get(TRITON_F32_ENV),
+               "seconds": round(time.time() - started, 1),
                "steps": [r.__dict__ for r in results]}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps([(r.name, r.status, r.seconds) for r in results]), flush=True)
@@ -372,6 +437,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--modules", type=lambda s: [x for x in s.split(",") if x], default=list(MODULES))
     p.add_argument("--race-sides", default="reimpl-graphs,reimpl-eager,upstream-eager,upstream-graphs")
     p.add_argument("--deadline-s", type=float, default=540.0, help="everything, packing included, ends by then")
+    p.add_argument("--triton-f32", choices=("ieee", "tf32", "tf32x3"), default=None,
+                   help="TRITON_F32_DEFAULT for every step (ieee: upstream's Triton attention dots in true fp32)")
     p = common(sub.add_parser("trace"))
     p.add_argument("--scenarios", required=True)
     p.add_argument("--capture", default="")
@@ -380,6 +447,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--modules", default=",".join(MODULES))
     p = common(sub.add_parser("tokens"))
     p.add_argument("--scenarios", required=True)
+    p = sub.add_parser("archive", help="fold OUT into one results.tar.gz under 16 MiB (captures left out)")
+    p.add_argument("--out", default=os.environ.get("OUT", "traces/runs/gpu"))
     return ap
 
 
@@ -391,6 +460,9 @@ def main(argv=None) -> int:
         unknown = [s for s in a.steps if s not in STEPS]
         if unknown:
             raise SystemExit(f"unknown step(s) {unknown}; known: {', '.join(STEPS)}")
+    if a.cmd == "archive":
+        print(json.dumps(archive(Path(a.out))), flush=True)
+        return 0
     return {"all": cmd_all, "trace": cmd_trace, "compare": cmd_compare, "tokens": cmd_tokens}[a.cmd](a)
 
 

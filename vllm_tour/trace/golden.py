@@ -64,19 +64,32 @@ def first_differences(expected: dict, actual: dict, limit: int = 5) -> list[str]
     return out
 
 
-def write_golden(run: Run, dest: Path) -> Path:
-    """Copy a run to `dest` with volatile fields normalized and captures left out."""
+# Environment kept in a golden's meta (the rest is machine noise): what changes upstream's numbers.
+NUMERICS_ENV = ("TRITON_F32_DEFAULT",)
+
+
+def write_golden(run: Run, dest: Path, drop_capture_records: bool = False) -> Path:
+    """Copy a run to `dest` with volatile fields normalized and captures left out.
+
+    drop_capture_records: also leave out the `capture` records (and engine_args.capture), as if the run
+    had captured nothing -- for a run traced with captures for a compare (what a capture records is
+    beside the probes' records, never in them)."""
     if dest.exists():
         shutil.rmtree(dest)
     dest.mkdir(parents=True)
     meta = json.loads((run.path / "meta.json").read_text())
-    meta.update(started=0.0, finished=0.0, model_path="<cache>/" + Path(meta["model_path"]).name, env={}, platform={})
+    env = {k: v for k, v in (meta.get("env") or {}).items() if k in NUMERICS_ENV}  # they decide the numbers
+    meta.update(started=0.0, finished=0.0, model_path="<cache>/" + Path(meta["model_path"]).name, env=env, platform={})
+    if drop_capture_records and isinstance(meta.get("engine_args"), dict) and "capture" in meta["engine_args"]:
+        meta["engine_args"]["capture"] = []
     (dest / "meta.json").write_text(json.dumps(meta, indent=1, ensure_ascii=False) + "\n")
     shutil.copy(run.path / "outputs.json", dest / "outputs.json")
     lines = []
     for f in sorted(run.path.glob("records.*.jsonl")):
         for line in f.read_text().splitlines():
             rec = json.loads(line)
+            if drop_capture_records and rec.get("kind") == "capture":
+                continue
             rec["proc"]["pid"] = 0
             if rec.get("kind") == "scheduler":
                 rec["time"], rec["duration_s"] = 0.0, 0.0
