@@ -18,6 +18,10 @@ engine's model runner does:
 - the step's inputs built once per step with numpy from a persistent
   block-table array (upstream `vllm.v1.worker.block_table.BlockTable`), copied
   to the device in one go;
+- the elementwise maths of a layer (residual add + RMSNorm, q/k-norm + RoPE +
+  the K/V cache write, SiLU * up) in three Triton kernels, `reimpl/fused_ops.py`
+  (upstream's fused_add_rms_norm / rotary_embedding / silu_and_mul custom ops):
+  9 kernels per layer instead of ~61 (on the CPU the torch ops stay);
 - logits only for the rows that sample (upstream `logits_indices`), sampling
   batched on the device;
 - CUDA graphs for pure-decode steps (upstream `CUDAGraphWrapper` /
@@ -72,8 +76,12 @@ def default_attn_fn(device: torch.device) -> AttnFn:
 # The model: Qwen3 (same math as reimpl/qwen3.py), fused projections, on a device
 # --------------------------------------------------------------------------
 class FastQwen3:
-    def __init__(self, cfg: dict, weights: dict[str, torch.Tensor], device="cuda", dtype=torch.bfloat16):
+    def __init__(self, cfg: dict, weights: dict[str, torch.Tensor], device="cuda", dtype=torch.bfloat16,
+                 fused: bool | None = None):
         self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
+        # Triton kernels for the elementwise maths (reimpl/fused_ops.py): on a GPU by default; the CPU
+        # keeps the torch ops (tests/test_fused_ops.py runs the kernels there under TRITON_INTERPRET=1).
+        self.fused = (self.device.type == "cuda") if fused is None else fused
         c = cfg
         self.num_layers = c["num_hidden_layers"]
         self.num_heads = c["num_attention_heads"]
@@ -108,18 +116,20 @@ class FastQwen3:
         theta = c.get("rope_theta", 10000.0)
         inv = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim))
         freqs = torch.outer(torch.arange(c["max_position_embeddings"], dtype=torch.float32), inv)
-        self.cos, self.sin = freqs.cos().to(self.device), freqs.sin().to(self.device)
+        self.cos = freqs.cos().to(self.device).contiguous()
+        self.sin = freqs.sin().to(self.device).contiguous()
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path, device="cuda", dtype=torch.bfloat16) -> "FastQwen3":
+    def from_dir(cls, model_dir: str | Path, device="cuda", dtype=torch.bfloat16, fused: bool | None = None) -> "FastQwen3":
         from safetensors.torch import load_file
 
         model_dir = Path(model_dir)
         cfg = json.loads((model_dir / "config.json").read_text())
-        return cls(cfg, load_file(str(model_dir / "model.safetensors")), device, dtype)
+        return cls(cfg, load_file(str(model_dir / "model.safetensors")), device, dtype, fused)
 
     @classmethod
-    def random(cls, cfg: dict, device="cuda", dtype=torch.bfloat16, seed: int = 0) -> "FastQwen3":
+    def random(cls, cfg: dict, device="cuda", dtype=torch.bfloat16, seed: int = 0,
+               fused: bool | None = None) -> "FastQwen3":
         """Random weights with the checkpoint's shapes (upstream `load_format="dummy"`)."""
         g = torch.Generator(device=device).manual_seed(seed)
         H, I = cfg["hidden_size"], cfg["intermediate_size"]
@@ -147,7 +157,7 @@ class FastQwen3:
         w["model.norm.weight"] = torch.ones(H, device=device, dtype=dtype)
         if not cfg.get("tie_word_embeddings", False):
             w["lm_head.weight"] = rnd(cfg["vocab_size"], H)
-        return cls(cfg, w, device, dtype)
+        return cls(cfg, w, device, dtype, fused)
 
     def new_kv_caches(self, num_blocks: int, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
@@ -168,6 +178,9 @@ class FastQwen3:
     def forward(self, input_ids, positions, slot_mapping, block_table, cu_seqlens_q, seq_lens, max_seqlen_q: int,
                 caches, attn_fn: AttnFn) -> torch.Tensor:
         """Hidden states [num_tokens, hidden] after the final norm (all tensors on self.device)."""
+        if self.fused:
+            return self._forward_fused(input_ids, positions, slot_mapping, block_table, cu_seqlens_q, seq_lens,
+                                       max_seqlen_q, caches, attn_fn)
         n, nh, kvh, hd = input_ids.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
         x = self.embed[input_ids]
@@ -186,6 +199,31 @@ class FastQwen3:
             gate, up = F.linear(h, L["gate_up"]).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, L["down"])
         return self._rms(x, self.norm)
+
+    def _forward_fused(self, input_ids, positions, slot_mapping, block_table, cu_seqlens_q, seq_lens,
+                       max_seqlen_q: int, caches, attn_fn: AttnFn) -> torch.Tensor:
+        """`forward` with the elementwise maths in three Triton kernels (reimpl/fused_ops.py): per layer
+        2 x add+RMSNorm, 1 x q/k-norm+RoPE+K/V write, 1 x SiLU*mul, besides the 4 matmuls and attention.
+        The residual stream `x` is updated in place, as upstream's fused_add_rms_norm does."""
+        from .fused_ops import fused_add_rms_norm, qk_norm_rope_kv_write, rms_norm, silu_and_mul
+
+        n, nh, hd = input_ids.shape[0], self.num_heads, self.head_dim
+        x = self.embed[input_ids]  # the residual stream
+        delta = None  # what the previous layer adds to it
+        for L, (kc, vc) in zip(self.layers, caches):
+            if delta is None:
+                h = rms_norm(x, L["ln1"], self.eps)
+            else:
+                h, x = fused_add_rms_norm(delta, x, L["ln1"], self.eps)
+            qkv = F.linear(h, L["qkv"])
+            q = qk_norm_rope_kv_write(qkv, L["q_norm"], L["k_norm"], self.cos, self.sin, positions, slot_mapping,
+                                      kc, vc, nh, self.num_kv_heads, hd, self.eps)
+            o = attn_fn(q, kc, vc, block_table, cu_seqlens_q, seq_lens, max_seqlen_q)
+            h, x = fused_add_rms_norm(F.linear(o.reshape(n, nh * hd), L["o"]), x, L["ln2"], self.eps)
+            delta = F.linear(silu_and_mul(F.linear(h, L["gate_up"])), L["down"])
+        if delta is None:
+            return rms_norm(x, self.norm, self.eps)
+        return fused_add_rms_norm(delta, x, self.norm, self.eps)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.lm_head).float()

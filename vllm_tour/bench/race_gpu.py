@@ -9,8 +9,10 @@ one invocation, and the ratios are printed from these runs only:
 
 - reimpl-eager / reimpl-graphs: `reimpl/fast_engine.py` -- the mini engine's
   own scheduler, KV-cache manager and block pool (the decisions) with a
-  batched bf16 model runner, `reimpl/triton_attn.py` for attention, and (graphs)
-  CUDA graphs for pure-decode steps. Random weights, seed 0.
+  batched bf16 model runner, `reimpl/triton_attn.py` for attention, the fused
+  elementwise Triton kernels of `reimpl/fused_ops.py` (add+RMSNorm, q/k-norm+RoPE+
+  KV write, SiLU*mul), and (graphs) CUDA graphs for pure-decode steps. Random
+  weights, seed 0. (`--count-kernels`: kernels of one decode forward, fused vs not.)
 - upstream-eager / upstream-graphs: `race_upstream.py`, vLLM's `LLM` with
   `load_format="dummy"`, TRITON_ATTN, `enforce_eager` True / False (False =
   upstream's default: torch.compile + CUDA graphs). Needs upstream on
@@ -95,6 +97,55 @@ def run_reimpl(mode: str, n: int) -> dict:
             "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1)}
 
 
+def count_kernels(batch: int = 256, ctx: int = 600) -> dict:
+    """GPU kernels launched by one eager decode forward (batch x 1 token, contexts of `ctx`), with the
+    fused elementwise kernels (reimpl/fused_ops.py, the default on CUDA) and with plain torch ops.
+    Counted with torch.profiler (CUDA activity); a CUDA graph replays the same kernels as graph nodes."""
+    import collections
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from reimpl.fast_engine import FastQwen3, default_attn_fn
+
+    cfg = model_config()
+    bs = 16
+    width = -(-ctx // bs)
+    dev = torch.device("cuda")
+    ids = torch.randint(0, cfg["vocab_size"], (batch,), device=dev)
+    pos = torch.full((batch,), ctx - 1, device=dev, dtype=torch.int64)
+    bt = (1 + torch.arange(batch * width, device=dev, dtype=torch.int32)).view(batch, width)
+    slots = bt[:, -1].long() * bs + (ctx - 1) % bs
+    cu = torch.arange(batch + 1, device=dev, dtype=torch.int32)
+    seq_lens = torch.full((batch,), ctx, device=dev, dtype=torch.int32)
+    out = {"batch": batch, "ctx": ctx, "layers": cfg["num_hidden_layers"]}
+    for fused in (False, True):
+        m = FastQwen3.random(cfg, device="cuda", dtype=torch.bfloat16, seed=0, fused=fused)
+        caches = m.new_kv_caches(batch * width + 1, bs)
+        attn = default_attn_fn(dev)
+        args = (ids, pos, slots, bt, cu, seq_lens, 1, caches, attn)
+        for _ in range(2):
+            m.forward(*args)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            m.forward(*args)
+            torch.cuda.synchronize()
+        names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        t = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t[0].record()
+        for _ in range(10):
+            m.forward(*args)
+        t[1].record()
+        torch.cuda.synchronize()
+        key = "fused" if fused else "torch_ops"
+        out[key] = {"kernels": len(names), "per_layer": round(len(names) / cfg["num_hidden_layers"], 1),
+                    "eager_forward_ms": round(t[0].elapsed_time(t[1]) / 10, 3),
+                    "top": collections.Counter(n[:70] for n in names).most_common(12)}
+        del m, caches
+        torch.cuda.empty_cache()
+    return out
+
+
 # --------------------------------------------------------------------------
 # the orchestrator
 # --------------------------------------------------------------------------
@@ -156,7 +207,16 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds per side")
     ap.add_argument("--json", help="write results here (default $OUT/race.json when $OUT is set)")
     ap.add_argument("--run-reimpl", choices=("eager", "graphs"), help=argparse.SUPPRESS)
+    ap.add_argument("--count-kernels", action="store_true",
+                    help="only count the GPU kernels of one decode forward, fused vs torch ops (KERNELS json line)")
     a = ap.parse_args(argv)
+
+    if a.count_kernels:
+        r = count_kernels()
+        print("KERNELS " + json.dumps(r), flush=True)
+        if os.environ.get("OUT"):
+            Path(os.environ["OUT"], "kernels.json").write_text(json.dumps(r, indent=1))
+        return 0
 
     if a.run_reimpl:
         print("RACE " + json.dumps(run_reimpl(a.run_reimpl, a.num_seqs)), flush=True)

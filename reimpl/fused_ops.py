@@ -1,0 +1,212 @@
+"""Fused elementwise kernels for the fast path (`reimpl/fast_engine.py`), in Triton.
+
+Why: a Qwen3 layer is four matmuls and one attention call, but written with
+plain torch ops its elementwise maths -- RMSNorm (cast, square, mean, add,
+rsqrt, multiply, cast, multiply), q/k-norm, RoPE (slices, four multiplies,
+two adds, cat, casts), SiLU * up, the residual adds, the K/V cache writes --
+launch about 60 small kernels per layer, ~1,700 per decode step for 28 layers.
+At decode batch sizes each of them moves a few hundred KB, so the step is
+bound by launch and memory round trips, not by maths. Upstream fuses them:
+custom CUDA ops in eager mode, torch.compile (Inductor) under CUDA graphs.
+
+The three kernels here cut a layer to nine launches (2 norms, 4 matmuls,
+q/k-norm+RoPE+cache write, attention, SiLU*mul):
+
+| here                      | upstream (vLLM v0.32.0)                                          |
+| ------------------------- | ---------------------------------------------------------------- |
+| `fused_add_rms_norm`      | `torch.ops._C.fused_add_rms_norm` / `rms_norm`                    |
+|                           | (`csrc/layernorm_kernels.cu`, called by                           |
+|                           | `vllm.model_executor.layers.layernorm.RMSNorm.forward_cuda`)      |
+| `qk_norm_rope_kv_write`   | `torch.ops._C.fused_qk_norm_rope` (compile pass                   |
+|                           | `QKNormRoPEFusionPass`, `enable_qk_norm_rope_fusion`) and, with    |
+|                           | the cache write, `fused_qk_norm_rope_and_unified_kv_cache_update` |
+|                           | (`fuse_qk_norm_rope_kvcache`; vllm/compilation/passes/fusion/);   |
+|                           | unfused: `rotary_embedding` + `reshape_and_cache_flash`           |
+|                           | (Triton backend: `triton_reshape_and_cache_flash`)                |
+| `silu_and_mul`            | `torch.ops._C.silu_and_mul` (`csrc/activation_kernels.cu`,        |
+|                           | `vllm.model_executor.layers.activation.SiluAndMul`)               |
+
+Numerics: bf16 in, bf16 out, statistics in fp32, and the *same roundings*
+as the torch path of `FastQwen3` (and upstream's kernels): the residual sum
+is rounded to the activation dtype before it is normalised, the normalised
+value is rounded before the weight multiplies it, silu(gate) is rounded
+before it multiplies up. So fused and unfused paths differ only by the order
+of a sum and by rsqrt's last bit.
+
+Each function has a torch twin (`*_ref`) that states what it computes;
+tests/test_fused_ops.py runs both on CPU under TRITON_INTERPRET=1.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+# --------------------------------------------------------------------------
+# 1. residual add + RMSNorm
+# --------------------------------------------------------------------------
+@triton.jit
+def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, N, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per row. In place, as upstream's fused_add_rms_norm:
+    res <- x + res;  x <- rms_norm(res) * w   (without a residual: x <- rms_norm(x) * w)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    x = tl.load(x_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        r = tl.load(res_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)
+        s = (x + r).to(res_ptr.dtype.element_ty)  # rounded as `x + r` in bf16 would be
+        tl.store(res_ptr + row * N + cols, s, mask=mask)
+        x = s.to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
+    y = (x * inv).to(x_ptr.dtype.element_ty).to(tl.float32)  # rounded, then times the weight
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(x_ptr + row * N + cols, (y * w).to(x_ptr.dtype.element_ty), mask=mask)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """In place, as upstream's op: residual <- x + residual; x <- rms_norm(residual) * weight.
+    x, residual: [n, H], contiguous. Returns (x, residual)."""
+    assert x.is_contiguous() and residual.is_contiguous() and x.shape == residual.shape
+    n, H = x.shape
+    _add_rms_norm_kernel[(n,)](x, residual, weight, H, eps, HAS_RES=True, BLOCK=triton.next_power_of_2(H))
+    return x, residual
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Out-of-place RMSNorm (the first layer's input norm: nothing to add yet)."""
+    out = x.contiguous().clone()
+    n, H = out.shape
+    _add_rms_norm_kernel[(n,)](out, out, weight, H, eps, HAS_RES=False, BLOCK=triton.next_power_of_2(H))
+    return out
+
+
+def rms_norm_ref(x, w, eps):
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
+
+
+def fused_add_rms_norm_ref(x, residual, w, eps):
+    residual = x + residual
+    return rms_norm_ref(residual, w, eps), residual
+
+
+# --------------------------------------------------------------------------
+# 2. q/k RMSNorm + RoPE (neox halves) + K/V cache write
+# --------------------------------------------------------------------------
+@triton.jit
+def _qk_norm_rope_kv_kernel(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_out_ptr,
+                            kc_ptr, vc_ptr, stride_qkv, eps, NH: tl.constexpr, KVH: tl.constexpr,
+                            HD: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Program (token t, head h). h < NH: a query head -> q_out[t, h]. NH <= h < NH + KVH: a key head
+    -> k_cache[slot[t]], and the value head beside it copied to v_cache[slot[t]]."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    i = tl.arange(0, BLOCK_H)
+    m = i < HALF
+    pos = tl.load(pos_ptr + t)
+    cos = tl.load(cos_ptr + pos * HALF + i, mask=m, other=0.0)
+    sin = tl.load(sin_ptr + pos * HALF + i, mask=m, other=0.0)
+    row = qkv_ptr + t * stride_qkv
+    if h < NH:
+        src = row + h * HD
+        w_ptr = qw_ptr
+    else:
+        src = row + NH * HD + (h - NH) * HD
+        w_ptr = kw_ptr
+    x1 = tl.load(src + i, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF + i, mask=m, other=0.0).to(tl.float32)
+    inv = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / HD + eps)
+    dt = qkv_ptr.dtype.element_ty
+    w1 = tl.load(w_ptr + i, mask=m, other=0.0).to(tl.float32)
+    w2 = tl.load(w_ptr + HALF + i, mask=m, other=0.0).to(tl.float32)
+    # RMSNorm with the torch path's roundings: normed -> dtype, times weight -> dtype
+    n1 = ((x1 * inv).to(dt).to(tl.float32) * w1).to(dt).to(tl.float32)
+    n2 = ((x2 * inv).to(dt).to(tl.float32) * w2).to(dt).to(tl.float32)
+    # RoPE, neox style: rotate the two halves (fp32, one rounding at the end)
+    o1 = (n1 * cos - n2 * sin).to(dt)
+    o2 = (n2 * cos + n1 * sin).to(dt)
+    if h < NH:
+        dst = q_out_ptr + (t * NH + h) * HD
+        tl.store(dst + i, o1, mask=m)
+        tl.store(dst + HALF + i, o2, mask=m)
+    else:
+        kh = h - NH
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        dst = kc_ptr + (slot * KVH + kh) * HD
+        tl.store(dst + i, o1.to(kc_ptr.dtype.element_ty), mask=m)
+        tl.store(dst + HALF + i, o2.to(kc_ptr.dtype.element_ty), mask=m)
+        vsrc = row + (NH + KVH) * HD + kh * HD
+        vdst = vc_ptr + (slot * KVH + kh) * HD
+        tl.store(vdst + i, tl.load(vsrc + i, mask=m, other=0.0).to(vc_ptr.dtype.element_ty), mask=m)
+        tl.store(vdst + HALF + i, tl.load(vsrc + HALF + i, mask=m, other=0.0).to(vc_ptr.dtype.element_ty),
+                 mask=m)
+
+
+def qk_norm_rope_kv_write(qkv, q_norm_w, k_norm_w, cos_table, sin_table, positions, slot_mapping,
+                          k_cache, v_cache, num_heads: int, num_kv_heads: int, head_dim: int, eps: float):
+    """qkv: [n, (NH + 2 KVH) * HD] (the fused projection's output); cos/sin tables: [max_pos, HD/2] fp32;
+    caches [num_blocks, block_size, KVH, HD], contiguous. Writes K and V of every token into its slot;
+    returns q [n, NH, HD], normed and rotated."""
+    n = qkv.shape[0]
+    assert qkv.stride(1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert cos_table.is_contiguous() and sin_table.is_contiguous() and head_dim % 2 == 0
+    q = torch.empty(n, num_heads, head_dim, device=qkv.device, dtype=qkv.dtype)
+    half = head_dim // 2
+    _qk_norm_rope_kv_kernel[(n, num_heads + num_kv_heads)](
+        qkv, q_norm_w, k_norm_w, cos_table, sin_table, positions, slot_mapping, q, k_cache, v_cache,
+        qkv.stride(0), eps, NH=num_heads, KVH=num_kv_heads, HD=head_dim, HALF=half,
+        BLOCK_H=triton.next_power_of_2(half))
+    return q
+
+
+def rope_ref(x, cos, sin):
+    half = x.shape[-1] // 2
+    xf = x.float()
+    x1, x2 = xf[..., :half], xf[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def qk_norm_rope_kv_write_ref(qkv, q_norm_w, k_norm_w, cos_table, sin_table, positions, slot_mapping,
+                              k_cache, v_cache, num_heads, num_kv_heads, head_dim, eps):
+    n = qkv.shape[0]
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    cos, sin = cos_table[positions].unsqueeze(1), sin_table[positions].unsqueeze(1)
+    q = rope_ref(rms_norm_ref(q.reshape(n, num_heads, head_dim), q_norm_w, eps), cos, sin)
+    k = rope_ref(rms_norm_ref(k.reshape(n, num_kv_heads, head_dim), k_norm_w, eps), cos, sin)
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping,
+                                                          v.reshape(n, num_kv_heads, head_dim).to(v_cache.dtype))
+    return q
+
+
+# --------------------------------------------------------------------------
+# 3. SiLU(gate) * up
+# --------------------------------------------------------------------------
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, I, BLOCK: tl.constexpr):
+    """x: [n, 2I] = gate | up; out: [n, I]. Program (row, column block)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = cols < I
+    g = tl.load(x_ptr + row * 2 * I + cols, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + row * 2 * I + I + cols, mask=m, other=0.0).to(tl.float32)
+    s = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)  # silu, rounded (as F.silu)
+    tl.store(out_ptr + row * I + cols, (s * u).to(out_ptr.dtype.element_ty), mask=m)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    assert x.is_contiguous()
+    n, two_i = x.shape
+    I = two_i // 2
+    out = torch.empty(n, I, device=x.device, dtype=x.dtype)
+    BLOCK = 1024
+    _silu_and_mul_kernel[(n, triton.cdiv(I, BLOCK))](x, out, I, BLOCK=BLOCK)
+    return out
+
+
+def silu_and_mul_ref(x):
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
