@@ -65,3 +65,19 @@ def test_newer_schema_is_refused(tmp_path):
     (run / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(TourError, match="trace schema 99"):
         load_run(run)
+
+
+def test_summarized_int_lists_digest_the_same_values_on_both_sides():
+    """The probe summarizes the runner's int32/int64 buffers; compare re-digests the reimpl's Python ints."""
+    import numpy as np
+
+    from vllm_tour.probes.runner import EDGE, FULL_LIMIT, int_list
+    from vllm_tour.trace.schema import IntList, int_digest
+
+    values = [(i * 7919) % 100_003 for i in range(2048)]
+    for dtype in (np.int32, np.int64):
+        s = IntList.model_validate(int_list(np.asarray(values, dtype=dtype)[:1000]))
+        assert (s.full, s.length, s.head, s.tail) == (None, 1000, values[:EDGE], values[1000 - EDGE : 1000])
+        assert s.sha256 == int_digest(values[:1000]) != int_digest(values[:999])
+    small = IntList.model_validate(int_list(np.asarray(values[:FULL_LIMIT], dtype=np.int32)))
+    assert small.full == values[:FULL_LIMIT] and small.sha256 is None

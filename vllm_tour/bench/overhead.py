@@ -145,6 +145,10 @@ def main() -> None:
     print(f"rounds:   {args.rounds} per side, interleaved A B B A; {trace_bytes // 1024} KiB of records written by the traced rounds")
     print(f"wall:     untraced {med['A'] * 1e3:.2f} ms/step, traced {med['B'] * 1e3:.2f} ms/step (medians over rounds) -> ratio {med['B'] / med['A']:.3f}")
     print(f"cpu:      untraced {cmed['A'] * 1e3:.2f} ms/step, traced {cmed['B'] * 1e3:.2f} ms/step (medians over rounds) -> ratio {cmed['B'] / cmed['A']:.3f}")
+    mn = {s: min(v) for s, v in wall.items()}
+    cmn = {s: min(v) for s, v in cpu.items()}
+    print(f"minimum:  wall untraced {mn['A'] * 1e3:.2f} / traced {mn['B'] * 1e3:.2f} ms/step -> ratio {mn['B'] / mn['A']:.3f}; "
+          f"cpu {cmn['A'] * 1e3:.2f} / {cmn['B'] * 1e3:.2f} -> ratio {cmn['B'] / cmn['A']:.3f} (fastest round per side)")
     print(f"hooks:    {hooks * 1e6:.0f} us CPU per step inside probe hooks (2 extra timed rounds) = {hooks / cmed['A']:.1%} of the untraced step's CPU time")
     top = sorted(hook_s.items(), key=lambda kv: -kv[1])[:4]
     print("          costliest: " + ", ".join(f"{k} {v / traced_steps * 1e6:.0f} us" for k, v in top))

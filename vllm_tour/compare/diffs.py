@@ -257,11 +257,11 @@ def diff_step(step: int, up: dict[str, dict | None], re_: dict[str, dict | None]
         summarized = uv.get("_summarized") or {}
         if summarized and rv:
             # upstream summarized long lists: compare length + digest in upstream's batch order
-            import hashlib
+            from ..trace.schema import int_digest
             order = up["runner"]["req_ids"]
             for k, s in summarized.items():
                 vals = [v for rid in order for v in (rv["requests"].get(rid, {}).get(k) or [])]
-                digest = hashlib.sha256(",".join(map(str, vals)).encode()).hexdigest()
+                digest = int_digest(vals)
                 if (len(vals), digest) != (s["length"], s["sha256"]):
                     out.append(Divergence("decision", step, f"runner.{k}", s, {"length": len(vals), "sha256": digest},
                                           None, "summarized list differs (length/sha256)"))

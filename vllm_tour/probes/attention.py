@@ -103,10 +103,11 @@ def _build_after(token, md, self, common_prefix_len, common_attn_metadata, *a, l
     n = md.num_actual_tokens
     # CPU backend: the tensors live in host memory; numpy views slice far cheaper than torch.
     qsl = _np(md.query_start_loc)[: num_reqs + 1]
-    slots = _np(md.slot_mapping)[:n].tolist()
+    slots = _np(md.slot_mapping)[:n]
     if R.runner_pending is not None:
         R.runner_pending["slot_mapping"] = int_list(slots)
-    capture.note_slots(slots)
+    if R.capture:
+        capture.note_slots(slots.tolist())
     R.write(  # a schema.AttentionRecord, as a dict (see Recorder.write)
         {
             "step": R.worker_step,

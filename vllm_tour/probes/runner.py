@@ -9,8 +9,7 @@ metadata build (slot mapping, see attention.py) and `sample_tokens` (sampled ids
 
 from __future__ import annotations
 
-import hashlib
-
+from ..trace.schema import int_digest
 from ..trace.writer import RECORDER as R
 from ..trace.writer import user_req_id
 from . import capture
@@ -22,13 +21,16 @@ FULL_LIMIT = 256  # lists longer than this are summarized
 EDGE = 16
 
 
-def int_list(values: list[int]) -> dict:
-    """A schema.IntList as a dict: in full up to FULL_LIMIT values, else summarized."""
-    if len(values) <= FULL_LIMIT:
-        return {"full": values, "length": len(values), "head": [], "tail": [], "sha256": None}
-    # The digest of ",".join(map(str, values)); repr of an int list is the same text with ", ", built faster.
-    digest = hashlib.sha256(repr(values)[1:-1].replace(" ", "").encode()).hexdigest()
-    return {"full": None, "length": len(values), "head": values[:EDGE], "tail": values[-EDGE:], "sha256": digest}
+def int_list(values) -> dict:
+    """A schema.IntList as a dict, from a 1-D integer numpy array (a copy or a view read now):
+    in full up to FULL_LIMIT values, else summarized (head, tail, digest of the buffer)."""
+    n = len(values)
+    if n <= FULL_LIMIT:
+        return {"full": values.tolist(), "length": n, "head": [], "tail": [], "sha256": None}
+    return {"full": None, "length": n, "head": values[:EDGE].tolist(), "tail": values[-EDGE:].tolist(), "sha256": int_digest(values)}
+
+
+_EMPTY = {"full": [], "length": 0, "head": [], "tail": [], "sha256": None}  # a schema.IntList; encoded, never mutated
 
 
 def _tp_rank() -> int:
@@ -79,11 +81,11 @@ def _flush(output) -> None:
             "num_tokens": p["num_tokens"],
             "req_ids": user_ids,
             "num_scheduled_tokens": list(map(p["sched"].__getitem__, req_ids)),
-            "input_ids": p.get("input_ids") or int_list([]),
-            "positions": p.get("positions") or int_list([]),
+            "input_ids": p.get("input_ids") or _EMPTY,
+            "positions": p.get("positions") or _EMPTY,
             "query_start_loc": p.get("query_start_loc", []),
             "seq_lens": p.get("seq_lens", []),
-            "slot_mapping": p.get("slot_mapping") or int_list([]),
+            "slot_mapping": p.get("slot_mapping") or _EMPTY,
             "logits_indices": p.get("logits_indices", []),
             "sampled_token_ids": sampled,
         }
@@ -110,11 +112,16 @@ def _prepare_after(result, out, self, scheduler_output, *a, **kw):
     n = scheduler_output.total_num_scheduled_tokens
     num_reqs = self.input_batch.num_reqs
     p["req_ids"] = list(self.input_batch.req_ids[:num_reqs])
-    p["input_ids"] = int_list(_values(self.input_ids.cpu, n))
-    p["positions"] = int_list(_values(self.positions, n))
+    p["input_ids"] = int_list(_array(self.input_ids.cpu, n))
+    p["positions"] = int_list(_array(self.positions, n))
     p["query_start_loc"] = _values(self.query_start_loc.cpu, num_reqs + 1)
     p["seq_lens"] = _values(self.seq_lens, num_reqs)
     p["logits_indices"] = _values(out[0], None)
+
+
+def _array(t, n: int):
+    """The first n values of a tensor as numpy: a view in host memory, one copy from a GPU."""
+    return t.numpy()[:n] if t.is_cpu else t[:n].cpu().numpy()
 
 
 def _values(t, n: int | None) -> list[int]:

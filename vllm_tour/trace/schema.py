@@ -112,8 +112,20 @@ class KVRecord(_Record):
 # --- model runner --------------------------------------------------------------
 
 
+def int_digest(values) -> str:
+    """IntList.sha256: sha256 of the values as little-endian int64 bytes (a list or a numpy array).
+
+    Bytes, not text: the probes hash the runner's buffers as they are (a 2048-token
+    prefill in ~5 us, against ~150 us for the decimal text of a Python list)."""
+    import hashlib
+
+    import numpy as np
+
+    return hashlib.sha256(np.asarray(values, dtype="<i8").tobytes()).hexdigest()
+
+
 class IntList(BaseModel):
-    """A list recorded in full when small, else summarized (len, head, tail, sha256)."""
+    """A list recorded in full when small, else summarized (len, head, tail, sha256: see int_digest)."""
 
     full: list[int] | None = None
     length: int
