@@ -11,6 +11,7 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from .errors import TourError
@@ -261,6 +262,28 @@ def compare(
 
     code = run_compare(module, scenario, all_scenarios, explain, json_out, fresh, atol, rtol, console)
     raise typer.Exit(code)
+
+
+@app.command()
+def repro(
+    scenario: Path = typer.Argument(..., help="A scenario TOML with an [expect] section (see traces/scenarios/repro_*.toml)."),
+    out: Optional[Path] = typer.Option(None, help="Run directory (default traces/runs/<stamp>-<name>)."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Show vLLM's own INFO logs."),
+):
+    """Run a scenario that encodes an upstream issue; print REPRODUCED / NOT REPRODUCED with the evidence.
+
+    Expectations ([expect]): engine_fails_with = "substring", preempted = ["r2"],
+    resumed = ["r2"], prefix_hit_tokens = {r1 = 64}, tokens_equal = ["r0", "r1"].
+    Exit 0 reproduced, 1 not reproduced, 2 could not run.
+    """
+    from .repro import render, run_repro
+    from .trace.command import quiet_vllm
+
+    quiet_vllm(verbose)
+    console.print(f"[dim]repro {escape(str(scenario))}: running upstream with probes…[/]")
+    res = run_repro(scenario, out)
+    render(res, console, scenario)
+    raise typer.Exit(0 if res.reproduced else 1)
 
 
 def main() -> None:

@@ -13,13 +13,14 @@ and optional expectations that `repro` checks. Example:
     id = "r0"
     prompt = "the quick brown fox"
     max_tokens = 70
+    [expect]                 # optional: what `vllm-tour repro` checks
+    preempted = ["r0"]
 """
 
 from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
@@ -36,6 +37,7 @@ class EngineSpec(BaseModel):
     max_num_seqs: int | None = None
     enable_prefix_caching: bool = True
     tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False  # MoE experts sharded across the TP ranks (upstream EngineArgs)
     max_model_len: int = 1024  # with num_blocks and no explicit value: what the pool can hold
     seed: int = 0
     dtype: str = "float32"
@@ -87,6 +89,24 @@ class RequestSpec(BaseModel):
         return self
 
 
+class ExpectSpec(BaseModel):
+    """What `vllm-tour repro` checks after the run; every key given must hold for REPRODUCED."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    engine_fails_with: str | None = None  # the engine fails, its error (or an ERROR log line) contains this
+    preempted: list[str] = []  # each of these requests is preempted at least once
+    resumed: list[str] = []  # each of these requests is scheduled again after a preemption
+    prefix_hit_tokens: dict[str, int] = {}  # request -> at least this many prompt tokens from the prefix cache
+    tokens_equal: list[str] = []  # these requests generate identical token ids
+
+    def keys(self) -> list[str]:
+        return [k for k in type(self).model_fields if getattr(self, k) not in (None, [], {})]
+
+    def request_ids(self) -> set[str]:
+        return {*self.preempted, *self.resumed, *self.prefix_hit_tokens, *self.tokens_equal}
+
+
 class Scenario(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -96,7 +116,7 @@ class Scenario(BaseModel):
     pin: str | None = None  # None: the pin of the installed vLLM
     engine: EngineSpec = EngineSpec()
     requests: list[RequestSpec]
-    expect: dict[str, Any] | None = None  # free-form; `repro` defines the keys it checks
+    expect: ExpectSpec | None = None  # checked by `repro` (trace and compare ignore it)
 
     @model_validator(mode="after")
     def _check(self):
@@ -106,6 +126,12 @@ class Scenario(BaseModel):
         dup = sorted({i for i in ids if ids.count(i) > 1})
         if dup:
             raise ValueError(f"duplicate request ids: {', '.join(dup)}")
+        if self.expect is not None:
+            unknown = sorted(self.expect.request_ids() - set(ids))
+            if unknown:
+                raise ValueError(f"expect names unknown request ids: {', '.join(unknown)}")
+            if len(self.expect.tokens_equal) == 1:
+                raise ValueError("expect.tokens_equal needs at least two request ids")
         return self
 
 

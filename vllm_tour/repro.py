@@ -1,0 +1,233 @@
+"""`vllm-tour repro`: run a scenario that encodes an upstream issue and check its `[expect]` section.
+
+The scenario runs on the installed upstream engine with probes on (a normal
+run directory under traces/runs/). An engine failure is a result, not an
+error: the trace flushed up to the failure is kept and read back, and the
+failure text (exception chain, vLLM ERROR log lines) is what
+`engine_fails_with` is checked against. Exit 0 REPRODUCED (every expectation
+held), 1 NOT REPRODUCED, 2 could not run (TourError: bad file, unknown model...).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rich.console import Console
+from rich.markup import escape
+
+from .errors import TourError
+from .scenario import Scenario, load_scenario
+from .trace.reader import Run, load_run
+
+
+@dataclass
+class Check:
+    key: str  # the [expect] key and its value, as written
+    ok: bool
+    evidence: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ReproResult:
+    scenario: Scenario
+    run_dir: Path
+    run: Run
+    failure: str | None  # the engine's error, None when it finished
+    log_errors: list[str]
+    checks: list[Check]
+
+    @property
+    def reproduced(self) -> bool:
+        return bool(self.checks) and all(c.ok for c in self.checks)
+
+
+class _ErrorLines(logging.Filter):
+    """vLLM's ERROR log lines of this process (e.g. "Worker proc ... died unexpectedly (exit code: -11)").
+
+    A logger filter, not a handler: the engine re-runs vLLM's dictConfig, which
+    clears the handlers of "vllm" and its child loggers but keeps their filters.
+    It lets every record through."""
+
+    def __init__(self):
+        super().__init__()
+        self.lines: list[str] = []
+
+    def filter(self, record):
+        if record.levelno >= logging.ERROR:
+            try:
+                line = record.getMessage().splitlines()[0][:300]
+            except Exception:
+                line = ""
+            if line:
+                self.lines.append(line)
+        return True
+
+
+# The loggers that report a dying engine (dump_input's long config dumps are left out).
+_ERROR_LOGGERS = ("vllm.v1.executor.multiproc_executor", "vllm.v1.engine.core", "vllm.v1.engine.llm_engine")
+
+
+def _chain(e: BaseException | None) -> list[str]:
+    out, seen = [], set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        out.append(f"{type(e).__name__}: {e}")
+        e = e.__cause__ or e.__context__
+    return out
+
+
+def _engine_ran(run_dir: Path) -> bool:
+    import json
+
+    try:
+        return json.loads((run_dir / "meta.json").read_text(encoding="utf-8")).get("status") == "failed"
+    except (OSError, ValueError):
+        return False
+
+
+def run_repro(path: Path | str, run_dir: Path | None = None) -> ReproResult:
+    from .trace.run import new_run_dir, run_upstream
+
+    sc = load_scenario(path)
+    if sc.expect is None or not sc.expect.keys():
+        raise TourError(f"scenario {path} has no [expect] section: nothing to reproduce "
+                        "(keys: engine_fails_with, preempted, resumed, prefix_hit_tokens, tokens_equal)")
+    run_dir = Path(run_dir) if run_dir else new_run_dir(sc.name)
+    handler = _ErrorLines()
+    loggers = [logging.getLogger(n) for n in _ERROR_LOGGERS]
+    for lg in loggers:
+        lg.addFilter(handler)
+    failure = None
+    try:
+        run_upstream(sc, run_dir, probes=True)
+    except TourError as e:
+        if not _engine_ran(run_dir):
+            raise  # it never started (pin, model, probes): could not run
+        failure = "\n".join(_chain(e.__cause__) or [str(e)])
+    finally:
+        for lg in loggers:
+            lg.removeFilter(handler)
+    run = load_run(run_dir)
+    if failure is None and run.meta.status == "failed":
+        failure = run.meta.error or "failed"
+    checks = check_expectations(sc, run, failure, handler.lines)
+    return ReproResult(sc, run_dir, run, failure, handler.lines, checks)
+
+
+# --- the expectations ------------------------------------------------------------
+
+
+def _fmt(key: str, value) -> str:
+    import json
+
+    return f"{key} = {json.dumps(value)}"
+
+
+def _failed_note(failure: str | None) -> list[str]:
+    return [f"the engine failed first: {failure.splitlines()[0]}"] if failure else []
+
+
+def _last_step_line(run: Run) -> str:
+    if not run.steps:
+        return "no step was traced (the engine failed before its first schedule)"
+    s = run.steps[-1]
+    sched = ", ".join(f"{r.req_id}:{r.kind} {r.num_scheduled_tokens} tok" for r in s.scheduler.scheduled) if s.scheduler else "-"
+    ranks = sorted(s.runner)
+    runner = f"runner records from TP ranks {ranks}" if ranks else "no runner record (no worker returned from the forward pass)"
+    return f"last traced step {s.index}: scheduled [{sched}]; {runner}"
+
+
+def check_expectations(sc: Scenario, run: Run, failure: str | None, log_errors: list[str]) -> list[Check]:
+    ex = sc.expect
+    checks: list[Check] = []
+    if ex.engine_fails_with is not None:
+        text = "\n".join([failure or "", *log_errors])
+        if failure is None:
+            checks.append(Check(_fmt("engine_fails_with", ex.engine_fails_with), False,
+                                [f"the engine finished: {len(run.outputs.requests) if run.outputs else 0} requests in {len(run.steps)} steps, no error"]))
+        else:
+            ev = [f"engine error: {line}" for line in failure.splitlines()[:3]]
+            ev += [f"vLLM log: {line}" for line in log_errors[:4]]
+            ev.append(_last_step_line(run))
+            checks.append(Check(_fmt("engine_fails_with", ex.engine_fails_with), ex.engine_fails_with in text, ev))
+
+    def per_request(key: str, ids: list[str], find) -> None:
+        for rid in ids:
+            hits = find(rid)
+            ev = hits[:3] + ([f"... and {len(hits) - 3} more"] if len(hits) > 3 else [])
+            if not hits:
+                ev = [f"{rid}: never {key} in {len(run.steps)} traced steps"] + _failed_note(failure)
+            checks.append(Check(_fmt(key, [rid]) if len(ids) == 1 else f"{key}: {rid}", bool(hits), ev))
+
+    def preempted(rid):
+        return [f"step {s.index}: {rid} preempted ({p.reason}; while allocating for {p.while_allocating_for}, "
+                f"freed blocks {p.freed_block_ids}, lost {p.num_computed_tokens_lost} computed tokens)"
+                for s in run.steps if s.scheduler for p in s.scheduler.preempted if p.req_id == rid]
+
+    def resumed(rid):
+        return [f"step {s.index}: {rid} resumed: {r.num_scheduled_tokens} tokens scheduled (recompute), {r.num_computed_tokens} already computed"
+                for s in run.steps if s.scheduler for r in s.scheduler.scheduled if r.req_id == rid and r.kind == "resumed"]
+
+    per_request("preempted", ex.preempted, preempted)
+    per_request("resumed", ex.resumed, resumed)
+
+    for rid, want in ex.prefix_hit_tokens.items():
+        hits = [(s.index, h) for s in run.steps if s.kv for h in s.kv.prefix_hits if h.req_id == rid]
+        best = max((h.num_hit_tokens for _, h in hits), default=0)
+        ev = [f"step {i}: {rid} hit {h.num_hit_tokens} cached tokens (blocks {h.block_ids})" for i, h in hits if h.num_hit_tokens][:3]
+        if not ev:
+            ev = [f"{rid}: no prefix-cache hit in {len(run.steps)} traced steps"] + _failed_note(failure)
+        elif best < want:
+            ev.append(f"{rid}: at most {best} tokens, expected at least {want}")
+        checks.append(Check(f"prefix_hit_tokens.{rid} >= {want}", best >= want, ev))
+
+    if ex.tokens_equal:
+        key = _fmt("tokens_equal", ex.tokens_equal)
+        got = {o.req_id: o.token_ids for o in run.outputs.requests} if run.outputs else {}
+        missing = [r for r in ex.tokens_equal if r not in got]
+        if missing:
+            checks.append(Check(key, False, [f"no output for {', '.join(missing)}"] + _failed_note(failure)))
+        else:
+            first, *rest = ex.tokens_equal
+            ev, ok = [], True
+            for rid in rest:
+                a, b = got[first], got[rid]
+                if a == b:
+                    ev.append(f"{first} == {rid}: {len(a)} tokens {a[:8]}{' ...' if len(a) > 8 else ''}")
+                    continue
+                ok = False
+                pos = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                ev.append(f"{first} != {rid} at position {pos}: {a[pos:pos + 1]} vs {b[pos:pos + 1]} (lengths {len(a)}, {len(b)})")
+            checks.append(Check(key, ok, ev))
+    return checks
+
+
+# --- the verdict -------------------------------------------------------------------
+
+
+def render(res: ReproResult, console: Console, path: Path | str) -> None:
+    sc = res.scenario
+    console.print(f"[bold]repro[/] {escape(sc.name)}  [dim]{escape(str(path))}[/]")
+    if sc.description:
+        console.print(f"  [dim]{escape(sc.description)}[/]")
+    e = sc.engine
+    console.print(f"  model {sc.model}, TP={e.tensor_parallel_size}"
+                  + (", enable_expert_parallel" if e.enable_expert_parallel else "")
+                  + (f", num_blocks={e.num_blocks}" if e.num_blocks else "")
+                  + f"; {len(sc.requests)} request(s)")
+    outcome = f"engine FAILED: {res.failure.splitlines()[0]}" if res.failure else "engine finished"
+    console.print(f"  run {escape(str(res.run_dir))} — {len(res.run.steps)} traced steps, {escape(outcome)}")
+    for c in res.checks:
+        mark = "[green]✓ met    [/]" if c.ok else "[red]✗ NOT MET[/]"
+        console.print(f"  {mark} {escape(c.key)}")
+        for line in c.evidence:
+            console.print(f"             {escape(line)}", soft_wrap=True)
+    met = sum(c.ok for c in res.checks)
+    if res.reproduced:
+        console.print(f"[bold green]REPRODUCED[/] — {met}/{len(res.checks)} expectations met")
+    else:
+        failed = ", ".join(c.key for c in res.checks if not c.ok)
+        console.print(f"[bold red]NOT REPRODUCED[/] — {met}/{len(res.checks)} expectations met; not met: {escape(failed)}")
+
