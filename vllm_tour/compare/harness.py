@@ -289,24 +289,12 @@ def load_upstream(run_dir: Path) -> tuple[dict, dict[str, list[int]], dict[int, 
 
 
 def _records(run_dir: Path) -> list[dict]:
-    try:
-        from ..trace.reader import load_run  # the shared reader, when present
-    except ImportError:
-        load_run = None
-    if load_run is not None:
-        run = load_run(run_dir)
-        recs = getattr(run, "records", None)
-        if recs is not None:
-            return [r.model_dump(mode="json") if hasattr(r, "model_dump") else dict(r) for r in recs]
-    # Fallback: read the JSON Lines ourselves (a truncated last line is skipped).
-    out = []
-    for f in sorted(run_dir.glob("records.*.jsonl")):
-        for line in f.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                continue
-    return out
+    """Every record of the run, validated by the shared reader (truncated last lines skipped)."""
+    from ..trace.reader import read_records
+
+    warnings: list[str] = []
+    return [r.model_dump(mode="json") for f in sorted(Path(run_dir).glob("records.*.jsonl"))
+            for r in read_records(f, warnings)]
 
 
 def load_capture(run_dir: Path, rec: dict):
