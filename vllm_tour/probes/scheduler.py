@@ -11,6 +11,8 @@ import operator
 import time
 from itertools import repeat
 
+import msgspec
+
 from ..trace.schema import Preemption
 from ..trace.writer import RECORDER as R
 from ..trace.writer import user_req_id
@@ -31,27 +33,19 @@ def _schedule_before(self, *a, **kw):
     return time.perf_counter(), running, waiting, running_ids
 
 
-try:  # msgspec (a vLLM dependency): a Struct is built and encoded faster than a dict
-    import msgspec
+# A msgspec Struct is built and encoded faster than a dict.
+class _Row(msgspec.Struct):
+    """schema.ScheduledRequest, same fields in the same order (encodes to the same JSON object)."""
 
-    class _Row(msgspec.Struct):
-        """schema.ScheduledRequest, same fields in the same order (encodes to the same JSON object)."""
-
-        req_id: str
-        kind: str
-        num_scheduled_tokens: int
-        num_computed_tokens: int
-        num_prompt_tokens: int
-        num_output_tokens: int
-        is_prefill: bool
-
-except ImportError:  # pragma: no cover
-
-    def _Row(*values) -> dict:
-        return dict(zip(_ROW_FIELDS, values))
+    req_id: str
+    kind: str
+    num_scheduled_tokens: int
+    num_computed_tokens: int
+    num_prompt_tokens: int
+    num_output_tokens: int
+    is_prefill: bool
 
 
-_ROW_FIELDS = ("req_id", "kind", "num_scheduled_tokens", "num_computed_tokens", "num_prompt_tokens", "num_output_tokens", "is_prefill")
 _prompt_len = operator.attrgetter("num_prompt_tokens")
 _output_len = operator.attrgetter("num_output_tokens")
 _num_tokens = operator.attrgetter("num_tokens")
