@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -10,6 +9,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from ..errors import TourError
+from ..trace.writer import write_json_atomic
 from . import diffs, harness, report
 
 
@@ -57,7 +57,7 @@ def run_compare(module: str, scenario: Path | None, all_scenarios: bool, explain
     }
     out = Path(json_out) if json_out else harness.RUNS_DIR / "compare" / f"{time.strftime('%Y%m%d-%H%M%S')}-{module.replace('.', '_')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(summary, indent=2, default=str))
+    write_json_atomic(out, summary)
 
     if len(paths) > 1 or skipped:
         from rich.table import Table

@@ -9,7 +9,7 @@ comes before the KV state, which comes before the model runner's inputs.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch

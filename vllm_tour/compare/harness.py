@@ -576,7 +576,9 @@ def _explain(result: CompareResult, up_steps, re_steps, re_state) -> dict | None
 
 
 def write_report(result: CompareResult, path: Path) -> Path:
+    from ..trace.writer import write_json_atomic
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result.to_json(), indent=2, default=str))
+    write_json_atomic(path, result.to_json())
     return path

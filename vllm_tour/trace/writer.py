@@ -186,5 +186,5 @@ RECORDER = Recorder()
 def write_json_atomic(path: Path, data: dict) -> None:
     """Write JSON so that readers see the old file or the new one, never half."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    tmp.write_text(json.dumps(data, indent=1, ensure_ascii=False, default=str) + "\n", encoding="utf-8")
     os.replace(tmp, path)
