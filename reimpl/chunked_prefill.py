@@ -113,7 +113,14 @@ class Scheduler:
         i = 0
         while i < len(self.running) and token_budget > 0:
             request = self.running[i]
-            num_new = self.chunk(request.num_tokens - request.num_computed_tokens, token_budget)
+            if (request.num_output_placeholders
+                    and request.num_computed_tokens + 2 - request.num_output_placeholders
+                    >= request.num_prompt_tokens + request.max_tokens):
+                i += 1  # async: the step in flight already samples its last token; do not run one more
+                continue
+            # tokens still in flight (async) count as known: the runner takes them from the GPU
+            num_new = self.chunk(request.num_tokens + request.num_output_placeholders - request.num_computed_tokens,
+                                 token_budget)
             # never run a position past max_model_len (1 slot kept for the sampled token)
             num_new = min(num_new, self.max_model_len - request.num_computed_tokens - 1)
             if num_new == 0:
@@ -184,11 +191,14 @@ class Scheduler:
             token_budget -= num_new
 
         out.budget_left = token_budget
-        # Advance num_computed_tokens now, as if the step already ran: the
-        # next schedule() must not hand out the same tokens again.
+        self._update_after_schedule(out)
+        return out
+
+    def _update_after_schedule(self, out: SchedulerOutput) -> None:
+        """Advance num_computed_tokens now, as if the step already ran: the
+        next schedule() must not hand out the same tokens again."""
         for s in out.scheduled:
             self.requests[s.req_id].num_computed_tokens += s.num_tokens
-        return out
 
     def pick_victim(self) -> Request:
         """FCFS preemption: the *last* running request, i.e. the most recently admitted one."""
@@ -230,15 +240,22 @@ class Scheduler:
         stopped: list[Request] = []
         for s in out.scheduled:
             request = self.requests[s.req_id]
-            if s.req_id not in sampled:
-                continue  # a prefill chunk that did not reach the end of the prompt
-            request.append_output_token(sampled[s.req_id])
-            if self._check_stop(request):
+            if s.req_id not in sampled or request.is_finished:
+                continue  # a prefill chunk short of the prompt's end; or (async) a step run after the stop
+            was_preempted = request.status == PREEMPTED  # async: preempted while this step was in flight
+            if self._update_request_with_output(request, sampled[s.req_id]):
                 stopped.append(request)
                 self.kv.free(request)
                 self.finished_since_last_step.append(request.req_id)
+                if was_preempted:
+                    self.waiting.remove(request)
         self.running = [r for r in self.running if r not in stopped]
         return stopped
+
+    def _update_request_with_output(self, request: Request, token_id: int) -> bool:
+        """Append one sampled token; True if the request stops here."""
+        request.append_output_token(token_id)
+        return self._check_stop(request)
 
     def _check_stop(self, request: Request) -> bool:
         last = request.output_token_ids[-1]

@@ -48,6 +48,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .async_scheduler import AsyncScheduler
 from .chunked_prefill import Scheduler, SchedulerOutput
 from .kv_cache_manager import KVCacheManager
 from .request import Request
@@ -242,6 +243,8 @@ class FastConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     cuda_graphs: bool = True
+    # Schedule step t+1 before step t's tokens are back (reimpl/async_scheduler.py; upstream's default).
+    async_scheduling: bool = False
     graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, *range(16, 257, 16))
     seed: int = 0
 
@@ -254,6 +257,35 @@ class FastRequest:
     temperature: float = 0.0
     eos_token_id: int | None = None  # None: ignore EOS
     arrival_step: int = 0  # as in engine.RequestIn: added before engine step number arrival_step
+
+
+@dataclass
+class StepInputs:
+    """One step's model inputs on the host (upstream: the persistent input batch's numpy views)."""
+
+    ids: np.ndarray  # [num_tokens] token ids (0 where the id comes from the step in flight)
+    positions: np.ndarray  # [num_tokens]
+    slots: np.ndarray  # [num_tokens] block * block_size + offset
+    rows: np.ndarray  # [num_seqs] block-table row of each scheduled request
+    cu: np.ndarray  # [num_seqs + 1] query start offsets
+    seq_lens: np.ndarray  # [num_seqs] tokens in the cache after this step
+    max_q: int
+    sample_idx: list[int]  # token index of each sampling row
+    sample_rids: list[str]
+    prev_dst: np.ndarray  # async: ids[prev_dst] = previous step's sampled[prev_src]
+    prev_src: np.ndarray
+
+
+@dataclass
+class InFlight:
+    """A launched step: its tokens are (or will be) in `tokens`, ready when `done` has fired."""
+
+    out: SchedulerOutput
+    sample_rids: list[str]
+    tokens: torch.Tensor | None
+    top: torch.Tensor | None
+    done: "torch.cuda.Event | None"
+    index: dict[str, int] = field(default_factory=dict)  # request -> its row in `tokens`
 
 
 @dataclass
@@ -276,7 +308,7 @@ class FastEngine:
         self.device = model.device
         self.attn_fn = attn_fn or default_attn_fn(self.device)
         self.kv = KVCacheManager(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching, cfg.max_model_len)
-        self.scheduler = Scheduler(self.kv, cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.max_model_len,
+        self.scheduler = (AsyncScheduler if cfg.async_scheduling else Scheduler)(self.kv, cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.max_model_len,
                                    cfg.enable_chunked_prefill)
         self.caches = model.new_kv_caches(cfg.num_blocks, cfg.block_size)
         # Persistent block table: one row per running request (upstream BlockTable).
@@ -290,6 +322,9 @@ class FastEngine:
         # top-k token ids per sampled position, per request (for vLLM's logprob rule); 0 = off
         self.record_topk = 0
         self.topk: dict[str, list[list[int]]] = {}
+        # the last launched step's sampled tokens (on the device) and each request's row in them
+        self.prev_tokens: torch.Tensor | None = None
+        self.prev_index: dict[str, int] = {}
 
     # --- block-table rows ------------------------------------------------------------
     def _row(self, rid: str) -> int:
@@ -304,12 +339,12 @@ class FastEngine:
             self.free_rows.append(r)
 
     # --- inputs -----------------------------------------------------------------------
-    def prepare(self, out: SchedulerOutput):
+    def prepare(self, out: SchedulerOutput) -> StepInputs:
         """numpy arrays for the step (upstream _prepare_inputs), plus which rows sample."""
         reqs = self.scheduler.requests
         n_sched = len(out.scheduled)
-        ids, rows, starts, lens, sample_idx, sample_rids = [], np.empty(n_sched, np.int64), np.empty(n_sched, np.int64), \
-            np.empty(n_sched, np.int64), [], []
+        ids, rows, starts, lens = [], np.empty(n_sched, np.int64), np.empty(n_sched, np.int64), np.empty(n_sched, np.int64)
+        sample_idx, sample_rids, prev_dst, prev_src = [], [], [], []
         total = 0
         for i, s in enumerate(out.scheduled):
             req = reqs[s.req_id]
@@ -318,17 +353,22 @@ class FastEngine:
             if s.kind != "running" or out.new_block_ids.get(s.req_id):
                 blocks = self.kv.block_ids(s.req_id)  # new, resumed (hits included) or grown
                 self.bt[r, : len(blocks)] = blocks
-            if n == 1 and start == req.num_tokens - 1:  # a decode: the last token
+            known = req.num_tokens
+            if n == 1 and start == known - 1:  # a decode: the last token
                 ids.append(req.output_token_ids[-1] if req.output_token_ids else req.prompt_token_ids[-1])
+            elif start + n <= req.num_prompt_tokens:
+                ids.extend(req.prompt_token_ids[start : start + n])
             else:
-                np_ = req.num_prompt_tokens
-                if start + n <= np_:
-                    ids.extend(req.prompt_token_ids[start : start + n])
-                else:
-                    ids.extend(req.all_token_ids[start : start + n])
+                ids.extend(req.all_token_ids[start : min(start + n, known)])
+                if start + n > known:  # async: the last input was sampled by the step still in flight
+                    assert start + n == known + 1, (s.req_id, start, n, known)
+                    prev_dst.append(total + n - 1)
+                    prev_src.append(self.prev_index[s.req_id])
+                    ids.append(0)  # overwritten on the GPU
             rows[i], starts[i], lens[i] = r, start, n
             total += n
-            if start + n >= req.num_tokens:  # reaches the end of what is known: samples
+            in_flight = 1 if s.req_id in self.prev_index else 0  # async: a token still on its way back
+            if start + n >= known + in_flight:  # reaches the end of the sequence: samples
                 sample_idx.append(total - 1)
                 sample_rids.append(s.req_id)
         cu = np.zeros(n_sched + 1, np.int32)
@@ -338,48 +378,90 @@ class FastEngine:
         positions = np.repeat(starts - cu[:-1], lens) + np.arange(total)
         bs = self.cfg.block_size
         slots = self.bt[tok_row, positions // bs].astype(np.int64) * bs + positions % bs
-        return (np.asarray(ids, np.int64), positions.astype(np.int64), slots, rows, cu, seq_lens,
-                int(lens.max()) if n_sched else 0, sample_idx, sample_rids)
+        return StepInputs(np.asarray(ids, np.int64), positions.astype(np.int64), slots, rows, cu, seq_lens,
+                          int(lens.max()) if n_sched else 0, sample_idx, sample_rids,
+                          np.asarray(prev_dst, np.int64), np.asarray(prev_src, np.int64))
 
     # --- one step ---------------------------------------------------------------------
-    def _dev(self, a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(a).to(self.device)
+    def _upload(self, **arrays: np.ndarray) -> dict[str, torch.Tensor]:
+        """The step's host arrays on the device, one copy per dtype. On a GPU the copy goes through
+        pinned memory without blocking: a plain .to() from pageable memory would wait for the GPU to
+        finish the previous step, which is what async scheduling must avoid."""
+        groups: dict[np.dtype, list[str]] = {}
+        for k, a in arrays.items():
+            groups.setdefault(a.dtype, []).append(k)
+        res = {}
+        for names in groups.values():
+            flat = torch.from_numpy(np.concatenate([arrays[k].ravel() for k in names]))
+            if self.device.type == "cuda":
+                flat = flat.pin_memory().to(self.device, non_blocking=True)
+            parts = flat.split([arrays[k].size for k in names])
+            res.update({k: t.view(arrays[k].shape) for k, t in zip(names, parts)})
+        return res
 
     def execute(self, out: SchedulerOutput) -> dict[str, int]:
-        ids, pos, slots, rows, cu, seq_lens, max_q, sample_idx, sample_rids = self.prepare(out)
+        """Run one step and wait for its tokens."""
+        return self.collect(self.launch(out))
+
+    def launch(self, out: SchedulerOutput) -> InFlight:
+        """Queue the step's forward and sampling on the device; the tokens come back in `collect`."""
+        x = self.prepare(out)
         n_seqs = len(out.scheduled)
-        width = int(np.max((seq_lens + self.cfg.block_size - 1) // self.cfg.block_size)) if n_seqs else 1
-        g = self._graph_size(n_seqs) if (max_q == 1 and self.graphs) else None
+        width = int(np.max((x.seq_lens + self.cfg.block_size - 1) // self.cfg.block_size)) if n_seqs else 1
+        temps = np.array([self.scheduler.requests[r].temperature for r in x.sample_rids], np.float32)
+        d = self._upload(ids=x.ids, pos=x.positions, slots=x.slots, cu=x.cu, seq_lens=x.seq_lens,
+                         bt=np.ascontiguousarray(self.bt[x.rows, :width]), sample_idx=np.asarray(x.sample_idx, np.int64),
+                         prev_dst=x.prev_dst, prev_src=x.prev_src, temps=temps)
+        if x.prev_dst.size:
+            d["ids"].index_copy_(0, d["prev_dst"], self.prev_tokens[d["prev_src"]])
+        g = self._graph_size(n_seqs) if (x.max_q == 1 and self.graphs) else None
         if g is not None:
-            hidden = self._replay(g, ids, pos, slots, self.bt[rows, :width], seq_lens, width)
+            hidden = self._replay(g, d, n_seqs, width)
             self.stats.graph_steps += 1
         else:
-            bt = np.ascontiguousarray(self.bt[rows, :width])
-            hidden = self.model.forward(self._dev(ids), self._dev(pos), self._dev(slots), self._dev(bt),
-                                        self._dev(cu), self._dev(seq_lens), max_q, self.caches, self.attn_fn)
-        if max_q == 1:
+            hidden = self.model.forward(d["ids"], d["pos"], d["slots"], d["bt"], d["cu"], d["seq_lens"], x.max_q,
+                                        self.caches, self.attn_fn)
+        if x.max_q == 1:
             self.stats.decode_steps += 1
-        if not sample_idx:
-            return {}
-        idx = torch.tensor(sample_idx, device=self.device)
-        logits = self.model.logits(hidden[idx])
-        tokens = self.sample(logits, [self.scheduler.requests[r].temperature for r in sample_rids])
-        if self.record_topk:
-            for rid, top in zip(sample_rids, logits.topk(self.record_topk, dim=-1).indices.tolist()):
-                self.topk.setdefault(rid, []).append(top)
-        return dict(zip(sample_rids, tokens.tolist()))
+        if not x.sample_rids:
+            self.prev_index = {}
+            return InFlight(out, [], None, None, None)
+        logits = self.model.logits(hidden[d["sample_idx"]])
+        tokens = self.sample(logits, d["temps"], bool((temps <= 0).all()))
+        self.prev_tokens, self.prev_index = tokens, {rid: i for i, rid in enumerate(x.sample_rids)}
+        top = logits.topk(self.record_topk, dim=-1).indices if self.record_topk else None
+        if self.device.type != "cuda":
+            return InFlight(out, x.sample_rids, tokens, top, None, self.prev_index)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return InFlight(out, x.sample_rids, host, top, done, self.prev_index)
 
-    def sample(self, logits: torch.Tensor, temps: list[float]) -> torch.Tensor:
+    def collect(self, f: InFlight) -> dict[str, int]:
+        """Wait for a launched step's tokens (the only point where the host waits for the device)."""
+        if not f.sample_rids:
+            return {}
+        if f.index is self.prev_index:
+            self.prev_index = {}  # the latest launch is back: none of its tokens is in flight any more
+        if f.done is not None:
+            f.done.synchronize()
+        if f.top is not None:
+            for rid, top in zip(f.sample_rids, f.top.tolist()):
+                self.topk.setdefault(rid, []).append(top)
+        return dict(zip(f.sample_rids, f.tokens.tolist()))
+
+    def sample(self, logits: torch.Tensor, temps: torch.Tensor, all_greedy: bool) -> torch.Tensor:
+        """temps: [rows] float32 on the device; <= 0 means greedy."""
         greedy = logits.argmax(-1)
-        if all(t <= 0 for t in temps):
+        if all_greedy:
             return greedy
-        t = torch.tensor([t if t > 0 else 1.0 for t in temps], device=logits.device).unsqueeze(1)
+        t = torch.where(temps > 0, temps, torch.ones_like(temps)).unsqueeze(1)
         probs = torch.softmax(logits / t, dim=-1)
         # argmax(p / E), E ~ Exp(1), draws from p (Gumbel-max; see sampler.py)
         noise = torch.empty_like(probs).exponential_(generator=self.gen)
         rand = (probs / noise).argmax(-1)
-        is_greedy = torch.tensor([t <= 0 for t in temps], device=logits.device)
-        return torch.where(is_greedy, greedy, rand)
+        return torch.where(temps > 0, rand, greedy)
 
     # --- CUDA graphs for decode ------------------------------------------------------------
     def _graph_size(self, n: int) -> int | None:
@@ -424,14 +506,11 @@ class FastEngine:
         torch.cuda.synchronize()
         self.stats.graph_capture_s = time.perf_counter() - t0
 
-    def _replay(self, g: int, ids, pos, slots, bt_rows: np.ndarray, seq_lens, width: int) -> torch.Tensor:
-        n = ids.shape[0]
+    def _replay(self, g: int, d: dict[str, torch.Tensor], n: int, width: int) -> torch.Tensor:
         i = self.g_in
-        i["ids"][:n].copy_(self._dev(ids))
-        i["pos"][:n].copy_(self._dev(pos))
-        i["slots"][:n].copy_(self._dev(slots))
-        i["seq_lens"][:n].copy_(self._dev(seq_lens))
-        i["bt"][:n, :width].copy_(self._dev(np.ascontiguousarray(bt_rows)))
+        for k in ("ids", "pos", "slots", "seq_lens"):
+            i[k][:n].copy_(d[k])
+        i["bt"][:n, :width].copy_(d["bt"])
         if n < g:  # padding rows: one key of the null block, written to its slot 0
             i["slots"][n:g].zero_()
             i["seq_lens"][n:g].fill_(1)
@@ -449,7 +528,7 @@ class FastEngine:
         t0 = time.perf_counter()
         pending = sorted(requests, key=lambda r: r.arrival_step)
         sched = self.scheduler
-        host, step = 0.0, 0
+        step, in_flight = 0, None
         while (pending or sched.has_unfinished()) and step < max_steps:
             h0 = time.perf_counter()
             while pending and (pending[0].arrival_step <= step or not sched.has_unfinished()):
@@ -458,26 +537,35 @@ class FastEngine:
                                           r.eos_token_id, r.arrival_step))
             out = sched.schedule()
             step += 1
-            self.stats.steps += 1
+            self.stats.steps += bool(out.scheduled)
             self.stats.preemptions += len(out.preempted)
             for p in out.preempted:
                 self._release(p.req_id)  # its blocks are gone; a fresh row on resume
-            host += time.perf_counter() - h0
-            sampled = self.execute(out) if out.scheduled else {}
-            h0 = time.perf_counter()
-            for s in out.scheduled:
-                if s.num_tokens > 1 or s.kind != "running":
-                    self.stats.prefill_tokens += s.num_tokens
-            stopped = sched.update_from_output(out, sampled)
-            for r in stopped:
-                self._release(r.req_id)
-            host += time.perf_counter() - h0
-            if on_step:
-                on_step(out, sampled)
+            self.stats.host_s += time.perf_counter() - h0
+            launched = self.launch(out) if out.scheduled else InFlight(out, [], None, None, None)
+            if in_flight is not None:  # async: step t-1 finishes while step t runs
+                self._finish(in_flight, on_step)
+            in_flight = launched
+            if not self.cfg.async_scheduling:
+                self._finish(in_flight, on_step)
+                in_flight = None
+        if in_flight is not None:
+            self._finish(in_flight, on_step)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         self.stats.seconds += time.perf_counter() - t0
-        self.stats.host_s += host
         outs = {r.req_id: list(sched.requests[r.req_id].output_token_ids) for r in requests}
         self.stats.output_tokens += sum(len(v) for v in outs.values())
         return outs
+
+    def _finish(self, f: InFlight, on_step) -> None:
+        sampled = self.collect(f)
+        h0 = time.perf_counter()
+        for s in f.out.scheduled:
+            if s.num_tokens > 1 or s.kind != "running":
+                self.stats.prefill_tokens += s.num_tokens
+        for r in self.scheduler.update_from_output(f.out, sampled):
+            self._release(r.req_id)
+        self.stats.host_s += time.perf_counter() - h0
+        if on_step:
+            on_step(f.out, sampled)

@@ -46,9 +46,11 @@ def make_block_hasher(block_size: int):
     """Returns f(request) -> hashes of its full blocks not hashed yet (upstream get_request_block_hasher)."""
 
     def hasher(request: Request) -> list[bytes]:
+        start = len(request.block_hashes) * block_size
+        if start + block_size > request.num_tokens:
+            return []  # called for every generated token: skip building all_token_ids until a block fills
         tokens = request.all_token_ids
         new: list[bytes] = []
-        start = len(request.block_hashes) * block_size
         parent = request.block_hashes[-1] if request.block_hashes else None
         while start + block_size <= len(tokens):  # only full blocks get a hash
             parent = hash_block_tokens(parent, tokens[start : start + block_size])

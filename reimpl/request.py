@@ -35,6 +35,9 @@ class Request:
     # Chained hashes of every *full* block of all_token_ids (prefix caching).
     block_hashes: list[bytes] = field(default_factory=list)
     num_preemptions: int = 0
+    # Async scheduling only (reimpl/async_scheduler.py): tokens scheduled to be sampled by steps whose
+    # results have not come back yet. Always 0 with the plain Scheduler.
+    num_output_placeholders: int = 0
     # Set by the KV-cache manager: recomputes block_hashes as tokens are added.
     block_hasher: Callable[["Request"], list[bytes]] | None = None
 

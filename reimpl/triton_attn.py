@@ -219,7 +219,10 @@ def _attend_tile(
 # before the earliest query of this q-block are visible to every row: no
 # mask needed. Only the last few tiles (crossing the causal diagonal, or the
 # sequence end) pay for the mask. For a long prefill that is most tiles.
-@triton.jit
+# Triton compiles a variant per "int == 1 / divisible by 16" pattern of each int argument. num_seqs and
+# the block table's row stride change from step to step in an engine, so a new pattern met mid-run would
+# stall a step for a compile (seen in the race: ~3 s over its 9 prefill steps); these two are left generic.
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def paged_attention_kernel(
     out_ptr,
     q_ptr,

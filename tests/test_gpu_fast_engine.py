@@ -59,9 +59,9 @@ def test_fast_engine_notices_a_broken_slot_mapping(monkeypatch):
     orig = fe.FastEngine.prepare
 
     def shifted(self, out):
-        r = list(orig(self, out))
-        r[2] = r[2] + 1  # slot mapping
-        return tuple(r)
+        x = orig(self, out)
+        x.slots = x.slots + 1  # the slot mapping, one off
+        return x
 
     monkeypatch.setattr(fe.FastEngine, "prepare", shifted)
     ref, _, _, _, outs = _both("cmp_chunked")
@@ -81,10 +81,10 @@ def test_prepare_positions_and_slots():
     eng.scheduler.add_request(Request("a", [1, 2, 3, 4, 5, 6], 3))
     eng.scheduler.add_request(Request("b", [7, 8, 9], 3))
     out = eng.scheduler.schedule()
-    ids, pos, slots, rows, cu, seq_lens, max_q, sample_idx, rids = eng.prepare(out)
-    assert ids.tolist() == [1, 2, 3, 4, 5, 6, 7, 8, 9]
-    assert pos.tolist() == [0, 1, 2, 3, 4, 5, 0, 1, 2]
+    x = eng.prepare(out)
+    assert x.ids.tolist() == [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    assert x.positions.tolist() == [0, 1, 2, 3, 4, 5, 0, 1, 2]
     ta, tb = eng.kv.block_ids("a"), eng.kv.block_ids("b")
-    assert slots.tolist() == [ta[p // 4] * 4 + p % 4 for p in range(6)] + [tb[0] * 4 + p for p in range(3)]
-    assert cu.tolist() == [0, 6, 9] and seq_lens.tolist() == [6, 3] and max_q == 6
-    assert sample_idx == [5, 8] and rids == ["a", "b"]
+    assert x.slots.tolist() == [ta[p // 4] * 4 + p % 4 for p in range(6)] + [tb[0] * 4 + p for p in range(3)]
+    assert x.cu.tolist() == [0, 6, 9] and x.seq_lens.tolist() == [6, 3] and x.max_q == 6
+    assert x.sample_idx == [5, 8] and x.sample_rids == ["a", "b"] and x.prev_dst.size == 0

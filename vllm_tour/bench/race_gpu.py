@@ -60,10 +60,11 @@ def reimpl_kv_blocks(prompts: list[list[int]], max_tokens: list[int], block_size
     return need + 1 + 64
 
 
-def run_reimpl(mode: str, n: int) -> dict:
+def build_reimpl(mode: str, n: int, async_scheduling: bool = True):
+    """The warmed-up mini engine for the recipe and its requests: (engine, requests, init seconds)."""
     import torch
 
-    from reimpl.fast_engine import FastConfig, FastEngine, FastQwen3, FastRequest
+    from reimpl.fast_engine import FastConfig, FastEngine, FastQwen3, FastRequest, RunStats
 
     cfg = model_config()
     t0 = time.time()
@@ -72,29 +73,34 @@ def run_reimpl(mode: str, n: int) -> dict:
     block_size = 16
     fc = FastConfig(block_size=block_size, num_blocks=reimpl_kv_blocks(prompts, max_tokens, block_size),
                     max_num_batched_tokens=16384, max_num_seqs=1024, max_model_len=MAX_MODEL_LEN,
-                    enable_prefix_caching=True, cuda_graphs=(mode == "graphs"),
+                    enable_prefix_caching=True, cuda_graphs=(mode == "graphs"), async_scheduling=async_scheduling,
                     graph_batch_sizes=(1, 2, 4, 8, *range(16, min(n, 1024) + 16, 16)))
     eng = FastEngine(model, fc)
     eng.capture_graphs()
     # Warm-up: compile the prefill tilings (long and short chunks) and the decode path.
     eng.generate([FastRequest("warm-a", [1] * 700, 3), FastRequest("warm-c", [3] * 300, 3)])  # avg >= 256: 64-row tiles
     eng.generate([FastRequest("warm-b", [2] * 40, 3), FastRequest("warm-d", [4] * 30, 2)])  # short chunks: 16-row tiles
-    from reimpl.fast_engine import RunStats
-
     capture_s = eng.stats.graph_capture_s
-    eng.stats = RunStats()
-    init_s = time.time() - t0
+    eng.stats = RunStats(graph_capture_s=capture_s)
     reqs = [FastRequest(f"r{i}", p, m, TEMPERATURE) for i, (p, m) in enumerate(zip(prompts, max_tokens))]
     torch.cuda.synchronize()
+    return eng, reqs, time.time() - t0
+
+
+def run_reimpl(mode: str, n: int) -> dict:
+    import torch
+
+    eng, reqs, init_s = build_reimpl(mode, n)
     outs = eng.generate(reqs)
-    st = eng.stats
+    st, fc = eng.stats, eng.cfg
     tot = sum(len(v) for v in outs.values())
     return {"side": "reimpl", "mode": mode, "num_seqs": n, "output_tokens": tot, "seconds": round(st.seconds, 3),
-            "tok_per_s": round(tot / st.seconds, 1), "init_s": round(init_s, 1), "graph_capture_s": round(capture_s, 2),
+            "tok_per_s": round(tot / st.seconds, 1), "init_s": round(init_s, 1),
+            "graph_capture_s": round(st.graph_capture_s, 2),
             "steps": st.steps, "decode_steps": st.decode_steps, "graph_steps": st.graph_steps,
             "host_s": round(st.host_s, 3), "preemptions": st.preemptions, "num_blocks": fc.num_blocks,
             "max_num_seqs": fc.max_num_seqs, "max_num_batched_tokens": fc.max_num_batched_tokens,
-            "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1)}
+            "async_scheduling": fc.async_scheduling, "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1)}
 
 
 def count_kernels(batch: int = 256, ctx: int = 600) -> dict:
