@@ -42,6 +42,7 @@ class EngineConfig:
     # Free-queue order of freed blocks (block_pool.FREE_POLICIES): "uncached_to_front"
     # mirrors v0.32.0, "append_all" mirrors v0.21.0. Chosen per pin by the harness.
     free_policy: str = "uncached_to_front"
+    dtype: str = "float32"  # or "bfloat16": weights, activations and the KV cache (see qwen3.py)
 
 
 @dataclass
@@ -66,7 +67,7 @@ class StepResult:
 class Engine:
     def __init__(self, cfg: EngineConfig, model: Qwen3 | None = None):
         self.cfg = cfg
-        self.model = model or Qwen3(cfg.model_dir)
+        self.model = model or Qwen3(cfg.model_dir, dtype=cfg.dtype)
         self.kv = KVCacheManager(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching, cfg.max_model_len,
                                  cfg.free_policy)
         self.scheduler = Scheduler(
@@ -79,6 +80,12 @@ class Engine:
         # req_id -> tokens to use instead of sampling (compare forces upstream's
         # tokens for randomly sampled requests; see sampler.py)
         self.forced: dict[str, list[int]] = {}
+        # record_topk = k > 0: at each sampled position keep the model's own greedy token and its
+        # top-k token ids, even where a forced token is used (compare's bf16 rule; see
+        # vllm_tour/compare/tokens.py). req_id -> one entry per output position.
+        self.record_topk = 0
+        self.greedy: dict[str, list[int]] = {}
+        self.topk: dict[str, list[list[int]]] = {}
         self.current_step: StepResult | None = None
 
     # --- the loop ----------------------------------------------------------------
@@ -162,7 +169,8 @@ class Engine:
         input_ids, positions, meta, logits_idx = self.prepare_inputs(out)
         with torch.no_grad():
             hidden = self.model.forward(input_ids, positions, meta, self.caches)
-            logits = self.model.logits(hidden[torch.tensor(logits_idx)])
+            # upstream's sampler works on fp32 logits (the model's bf16 values, widened)
+            logits = self.model.logits(hidden[torch.tensor(logits_idx)]).float()
         sampled: dict[str, int] = {}
         for i, s in enumerate(out.scheduled):
             req = self.scheduler.requests[s.req_id]
@@ -170,6 +178,9 @@ class Engine:
             # a prefill chunk that stops short of the prompt end samples nothing.
             if s.num_computed_tokens + s.num_tokens < req.num_tokens:
                 continue
+            if self.record_topk:
+                self.greedy.setdefault(s.req_id, []).append(int(torch.argmax(logits[i])))
+                self.topk.setdefault(s.req_id, []).append(torch.topk(logits[i], self.record_topk).indices.tolist())
             forced = self.forced.get(s.req_id)
             if forced is not None and req.num_output_tokens < len(forced):
                 sampled[s.req_id] = forced[req.num_output_tokens]

@@ -91,6 +91,8 @@ def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, c
     2. for each request, read *all* its K/V back through its block table --
        earlier steps' tokens and this step's alike -- and attend causally.
     A request's query tokens are the last `query_len` positions of its sequence.
+    Scores, softmax and the weighted sum run in fp32 whatever the cache dtype
+    (as upstream's kernels accumulate); the output is rounded to q's dtype.
     """
     cache.write(k_new, v_new, meta.slot_mapping)
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -99,11 +101,11 @@ def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, c
     for i, (table, seq_len) in enumerate(zip(meta.block_tables, meta.seq_lens)):
         start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
         query_len = end - start
-        k, v = cache.gather(table, seq_len)  # [seq_len, kv_heads, d]
+        k, v = (t.float() for t in cache.gather(table, seq_len))  # [seq_len, kv_heads, d]
         group = num_heads // k.shape[1]  # GQA: each KV head serves `group` query heads
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
-        qi = q[start:end].transpose(0, 1)  # [heads, query_len, d]
+        qi = q[start:end].float().transpose(0, 1)  # [heads, query_len, d]
         scores = torch.matmul(qi, k.permute(1, 2, 0)) * scale  # [heads, query_len, seq_len]
         # query j sits at position seq_len - query_len + j and sees keys 0..that position
         q_pos = torch.arange(seq_len - query_len, seq_len).unsqueeze(1)

@@ -1,4 +1,4 @@
-"""Qwen3 forward pass in plain torch, fp32, reading the same safetensors as upstream.
+"""Qwen3 forward pass in plain torch, fp32 or bf16, reading the same safetensors as upstream.
 
 Upstream counterparts (v0.32.0):
 - `vllm.model_executor.models.qwen3.Qwen3ForCausalLM`, `Qwen3Model`,
@@ -10,6 +10,12 @@ Upstream counterparts (v0.32.0):
 The batch is *flattened*: tokens of all scheduled requests are concatenated
 into one [num_tokens] sequence; `positions` says where each sits in its own
 request; attention (paged_attn.py) keeps requests apart.
+
+In bf16 it rounds where upstream rounds: weights, the residual stream, every
+linear layer's output and the KV cache are bf16; RMSNorm's statistics,
+RoPE's products and attention's softmax are computed in fp32 and rounded once
+(`vllm.ir.ops.layernorm.rms_norm` / `fused_add_rms_norm`, upstream's rotary and
+attention kernels). In fp32 every cast below is a no-op.
 """
 
 from __future__ import annotations
@@ -23,8 +29,20 @@ from safetensors.torch import load_file
 from .paged_attn import BatchMeta, PagedKVCache, paged_attention
 
 
+DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16}
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+    """Statistics in fp32; the normalized x is rounded to the weight's dtype, then scaled (upstream's order)."""
+    x = x.float()
+    return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).to(weight.dtype) * weight
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual add fused with the next RMSNorm (upstream fused_add_rms_norm): the sum is
+    normalized in fp32, before the residual stream stores it rounded to its dtype."""
+    s = x.float() + delta.float()
+    return s.to(x.dtype), rms_norm(s, weight, eps)
 
 
 def rope_cos_sin(max_pos: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,45 +52,49 @@ def rope_cos_sin(max_pos: int, head_dim: int, theta: float) -> tuple[torch.Tenso
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Neox-style rotation: the first and second halves of each head form the pairs."""
+    """Neox-style rotation: the first and second halves of each head form the pairs.
+    Products and sums in fp32, rounded once to x's dtype (cos/sin come already rounded to it)."""
     half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    cos, sin = cos.float().unsqueeze(1), sin.float().unsqueeze(1)  # broadcast over heads
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
 class Qwen3:
-    def __init__(self, model_dir: str | Path, attention=paged_attention):
+    def __init__(self, model_dir: str | Path, attention=paged_attention, dtype: str | torch.dtype = torch.float32):
         model_dir = Path(model_dir)
         # Any callable with paged_attention's signature: reimpl/triton_attn.py's
         # engine_attention swaps the torch loop for a Triton kernel.
         self.attention = attention
+        self.dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
         self.cfg = json.loads((model_dir / "config.json").read_text())
-        self.w = {k: v.float() for k, v in load_file(str(model_dir / "model.safetensors")).items()}
+        # Upstream loads the checkpoint's fp32 tensors into parameters of the model dtype.
+        self.w = {k: v.to(self.dtype) for k, v in load_file(str(model_dir / "model.safetensors")).items()}
         c = self.cfg
         self.num_layers = c["num_hidden_layers"]
         self.num_heads = c["num_attention_heads"]
         self.num_kv_heads = c["num_key_value_heads"]
         self.head_dim = c.get("head_dim") or c["hidden_size"] // self.num_heads
         self.eps = c["rms_norm_eps"]
-        self.cos, self.sin = rope_cos_sin(c["max_position_embeddings"], self.head_dim, c.get("rope_theta", 10000.0))
+        cos, sin = rope_cos_sin(c["max_position_embeddings"], self.head_dim, c.get("rope_theta", 10000.0))
+        self.cos, self.sin = cos.to(self.dtype), sin.to(self.dtype)  # upstream's cos_sin_cache is in the model dtype
         lm_head = "lm_head.weight" if "lm_head.weight" in self.w else "model.embed_tokens.weight"
         self.lm_head = self.w[lm_head]
         # Per-layer attention outputs of the last forward (for tensor comparisons).
         self.last_attn_out: dict[int, torch.Tensor] = {}
 
     def new_kv_caches(self, num_blocks: int, block_size: int) -> list[PagedKVCache]:
-        return [PagedKVCache(num_blocks, block_size, self.num_kv_heads, self.head_dim) for _ in range(self.num_layers)]
+        return [PagedKVCache(num_blocks, block_size, self.num_kv_heads, self.head_dim, self.dtype) for _ in range(self.num_layers)]
 
     def forward(self, input_ids: list[int], positions: list[int], meta: BatchMeta, caches: list[PagedKVCache]) -> torch.Tensor:
         """Hidden states [num_tokens, hidden] after the final norm."""
         w, n, hd = self.w, len(input_ids), self.head_dim
         pos = torch.tensor(positions, dtype=torch.long)
         cos, sin = self.cos[pos], self.sin[pos]
-        x = w["model.embed_tokens.weight"][torch.tensor(input_ids, dtype=torch.long)]
+        x = w["model.embed_tokens.weight"][torch.tensor(input_ids, dtype=torch.long)]  # the residual stream
+        h = rms_norm(x, w["model.layers.0.input_layernorm.weight"], self.eps)
         for i in range(self.num_layers):
             p = f"model.layers.{i}."
-            h = rms_norm(x, w[p + "input_layernorm.weight"], self.eps)
             q = (h @ w[p + "self_attn.q_proj.weight"].T).view(n, self.num_heads, hd)
             k = (h @ w[p + "self_attn.k_proj.weight"].T).view(n, self.num_kv_heads, hd)
             v = (h @ w[p + "self_attn.v_proj.weight"].T).view(n, self.num_kv_heads, hd)
@@ -81,12 +103,14 @@ class Qwen3:
             k = apply_rope(rms_norm(k, w[p + "self_attn.k_norm.weight"], self.eps), cos, sin)
             attn = self.attention(q, k, v, caches[i], meta)
             self.last_attn_out[i] = attn
-            x = x + attn @ w[p + "self_attn.o_proj.weight"].T
-            h = rms_norm(x, w[p + "post_attention_layernorm.weight"], self.eps)
+            x, h = add_rms_norm(x, attn @ w[p + "self_attn.o_proj.weight"].T, w[p + "post_attention_layernorm.weight"], self.eps)
             gate = h @ w[p + "mlp.gate_proj.weight"].T
             up = h @ w[p + "mlp.up_proj.weight"].T
-            x = x + (torch.nn.functional.silu(gate) * up) @ w[p + "mlp.down_proj.weight"].T
-        return rms_norm(x, w["model.norm.weight"], self.eps)
+            mlp = (torch.nn.functional.silu(gate) * up) @ w[p + "mlp.down_proj.weight"].T
+            # the next layer's input norm, or after the last layer the final norm
+            norm = f"model.layers.{i + 1}.input_layernorm.weight" if i + 1 < self.num_layers else "model.norm.weight"
+            x, h = add_rms_norm(x, mlp, w[norm], self.eps)
+        return h
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden @ self.lm_head.T

@@ -146,6 +146,7 @@ def trace(
     tp: Optional[int] = typer.Option(None, "--tp", help="Tensor-parallel size (1 or 2; 2 starts two worker processes)."),
     capture: list[str] = typer.Option([], "--capture", help="Save tensors: attn_out (per-layer attention output), kv_blocks (KV blocks written); comma-separated or repeated."),
     capture_steps: str = typer.Option("", help="Steps to capture, e.g. 1-3,7 (default: every step)."),
+    logprobs: Optional[int] = typer.Option(None, "--logprobs", help="Record each generated position's top-K token ids and logprobs in outputs.json (default: 5 for a bf16 scenario, else none)."),
     out: Optional[Path] = typer.Option(None, help="Run directory (default traces/runs/<stamp>-<name>)."),
     multiprocess: bool = typer.Option(False, "--multiprocess", help="Run the EngineCore in its own process, as `vllm serve` does (arrival steps become approximate)."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Show vLLM's own INFO logs."),
@@ -172,7 +173,7 @@ def trace(
         enable_prefix_caching=prefix_caching, tensor_parallel_size=tp,
     )
     sc = command.build_scenario(scenario, request, requests_file, model, pin, max_tokens, temperature, seed, ignore_eos, engine)
-    command.trace(sc, out, capture, capture_steps, multiprocess, console)
+    command.trace(sc, out, capture, capture_steps, multiprocess, console, logprobs)
 
 
 @app.command()

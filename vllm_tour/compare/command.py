@@ -49,7 +49,7 @@ def run_compare(module: str, scenario: Path | None, all_scenarios: bool, explain
         "module": module,
         "status": "could_not_run" if failed else ("clean" if all(r.clean for r in results) else "diverged"),
         "tolerance": ({"atol": atol, "rtol": rtol} if atol is not None or rtol is not None
-                      else {"auto": "per scenario, by upstream's attention backend (see each scenario's tolerance)"}),
+                      else {"auto": "per scenario, by upstream's dtype and attention backend (see each scenario's tolerance)"}),
         "scenarios": [r.to_json() for r in results],
         "skipped": skipped,
         "could_not_run": failed,

@@ -21,13 +21,16 @@ from ..errors import TourError
 from ..paths import RUNS_DIR, SCENARIOS_DIR
 from . import diffs
 from .diffs import Divergence, TensorStat
+from .tokens import TOP_K
 
 MODULES = tuple(diffs.SECTIONS)  # reimpl.chunked_prefill, reimpl.paged_attn, reimpl.triton_attn
 # Modules judged on tensors too (attention outputs, KV blocks written).
 TENSOR_MODULES = ("reimpl.paged_attn", "reimpl.triton_attn")
 CACHE_DIR = RUNS_DIR / "compare-cache"
 CAPTURES = ["attn_out", "kv_blocks"]
-CACHE_VERSION = 1  # bump when what we ask of upstream changes
+CACHE_VERSION = 2  # bump when what we ask of upstream changes (2: top-k logprobs in bf16)
+# Scenario dtypes the reimpl runs (vLLM's names), and the one name each goes by in reports.
+DTYPES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16"}
 
 # Reimpl policy switches per upstream pin: where upstream's behaviour changed
 # between pins, the reimpl follows the pin of the run it is compared against.
@@ -59,6 +62,7 @@ class CompareResult:
     duration_s: float = 0.0
     tolerance: diffs.Tolerance = diffs.FP32
     upstream_backend: str | None = None
+    dtype: str = "float32"  # what upstream ran in (and so the reimpl): decides the token rule and tolerance
 
     @property
     def first(self) -> Divergence | None:
@@ -80,6 +84,13 @@ class CompareResult:
     def exit_code(self) -> int:
         return 0 if self.clean else 1
 
+    @property
+    def tokens_rule(self) -> str:
+        if self.dtype == "float32":
+            return "exact"
+        return (f"vLLM's check_logprobs_close: at the first differing greedy token each side's token is in the other's "
+                f"top-{TOP_K}; not compared after it (the reimpl runs on upstream's tokens: teacher forcing)")
+
     def to_json(self) -> dict:
         first = self.first
         worst = max(self.tensors, key=lambda t: t.max_abs, default=None)
@@ -93,10 +104,13 @@ class CompareResult:
             "steps": {"upstream": self.steps_upstream, "reimpl": self.steps_reimpl},
             "first_divergence": first.to_json() if first else None,
             "first_tensor_out_of_tolerance": self.bad_tensors[0].to_json() if self.bad_tensors else None,
+            "dtype": self.dtype,
+            "tokens_rule": self.tokens_rule,
             "tolerance": {"atol": self.tolerance.atol, "rtol": self.tolerance.rtol, "name": self.tolerance.name,
                           "reason": self.tolerance.reason, "upstream_attention_backend": self.upstream_backend,
                           "rule": "|reimpl - upstream| <= atol + rtol * |upstream|",
-                          "exact": ["tokens", "scheduler decisions", "block tables and pool events", "runner inputs and slot mapping"]},
+                          "exact": (["tokens"] if self.dtype == "float32" else [])
+                          + ["scheduler decisions", "block tables and pool events", "runner inputs and slot mapping"]},
             "tensor_summary": {"compared": len(self.tensors), "out_of_tolerance": len(self.bad_tensors),
                                "max_abs": worst.max_abs if worst else None},
             "divergences": [d.to_json() for d in self.divergences[:200]],
@@ -131,8 +145,8 @@ def applicable(scenario) -> str | None:
         return f"tensor_parallel_size={scenario.engine.tensor_parallel_size} (the reimpl engine is single-device; see reimpl/tp.py)"
     if "moe" in scenario.model.lower():
         return f"model {scenario.model} is MoE (reimpl/qwen3.py is the dense Qwen3)"
-    if scenario.engine.dtype != "float32":
-        return f"dtype {scenario.engine.dtype} (the reimpl runs fp32)"
+    if scenario.engine.dtype not in DTYPES:
+        return f"dtype {scenario.engine.dtype} (the reimpl runs float32 or bfloat16)"
     return None
 
 
@@ -179,7 +193,7 @@ def _engine_factory_for(module: str) -> Callable | None:
     attention = engine_attention
     if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         attention = _on_gpu(engine_attention)
-    return lambda cfg: Engine(cfg, model=Qwen3(cfg.model_dir, attention=attention))
+    return lambda cfg: Engine(cfg, model=Qwen3(cfg.model_dir, attention=attention, dtype=cfg.dtype))
 
 
 def _on_gpu(attention: Callable) -> Callable:
@@ -288,6 +302,26 @@ def load_upstream(run_dir: Path) -> tuple[dict, dict[str, list[int]], dict[int, 
     return meta, outputs, steps
 
 
+def upstream_top(run_dir: Path) -> dict[str, list[list[int]]]:
+    """{req_id: top-k token ids per output position}, for runs that asked upstream for logprobs."""
+    from ..trace.schema import Outputs
+
+    outs = Outputs.model_validate_json((Path(run_dir) / "outputs.json").read_text())
+    return {o.req_id: o.top_token_ids for o in outs.requests if o.top_token_ids is not None}
+
+
+def run_dtype(meta: dict, up_steps: dict[int, dict]) -> str:
+    """The dtype upstream ran in: meta.engine_args.dtype, or for "auto" the KV cache's dtype the attention
+    probe recorded. TourError for one the reimpl does not run."""
+    name = (meta.get("engine_args") or {}).get("dtype") or "auto"
+    if name == "auto":
+        att = next((s["attention"] for _, s in sorted(up_steps.items()) if s.get("attention")), None)
+        name = att["layers"][0]["kv_cache_dtype"] if att and att.get("layers") else "float32"
+    if name not in DTYPES:
+        raise TourError(f"the upstream run's dtype is {name} (the reimpl runs float32 or bfloat16)")
+    return DTYPES[name]
+
+
 def _records(run_dir: Path) -> list[dict]:
     """Every record of the run, validated by the shared reader (truncated last lines skipped)."""
     from ..trace.reader import read_records
@@ -320,8 +354,12 @@ def _eos_token_id(model_dir: Path) -> int | None:
 
 
 def run_reimpl(scenario, meta: dict, up_steps: dict[int, dict], up_outputs: dict[str, list[int]],
-               engine_factory: Callable | None = None, capture: bool = True, on_step=None):
-    """Run the reimpl mini engine with upstream's effective settings; returns (engine, results, notes)."""
+               engine_factory: Callable | None = None, capture: bool = True, on_step=None, dtype: str = "float32"):
+    """Run the reimpl mini engine with upstream's effective settings; returns (engine, results, notes).
+
+    In bf16 every request runs on upstream's tokens (teacher forcing) while the engine records its own
+    greedy token and top-k at each position: up to the first difference that is the same as running
+    free, and after it decisions and tensors stay comparable (see tokens.logprobs_close)."""
     from reimpl.engine import Engine, EngineConfig, RequestIn
 
     notes: list[str] = []
@@ -339,6 +377,7 @@ def run_reimpl(scenario, meta: dict, up_steps: dict[int, dict], up_outputs: dict
         max_num_seqs=sched["max_num_seqs"],
         max_model_len=args.get("max_model_len") or scenario.engine.max_model_len,
         enable_prefix_caching=bool(kv["prefix_caching"]),
+        dtype=dtype,
         **pin_policies(meta.get("pin")),
     )
     for k, v in pin_policies(meta.get("pin")).items():
@@ -357,6 +396,10 @@ def run_reimpl(scenario, meta: dict, up_steps: dict[int, dict], up_outputs: dict
             engine.forced[r.req_id] = list(up_outputs.get(r.req_id, []))
             notes.append(f"{r.req_id}: temperature {r.temperature} -> upstream's tokens are forced (CPU sampling noise "
                           "comes from a C++ op, fused_gumbel_argmax); its tokens are not compared")
+        elif dtype != "float32":
+            engine.forced[r.req_id] = list(up_outputs.get(r.req_id, []))
+    if dtype != "float32":
+        engine.record_topk = TOP_K
     names: tuple[str, ...] = ()
     if capture:
         n_layers = engine.model.num_layers
@@ -377,9 +420,10 @@ def compare(module: str, scenario_path: Path | str, *, fresh: bool = False, upst
             atol: float | None = None, rtol: float | None = None, progress=None) -> CompareResult:
     """Compare one reimpl module with upstream on one scenario. TourError = could not run (exit 2).
 
-    Tensor tolerance: atol/rtol when given, else chosen from the upstream run's attention
+    Tensor tolerance: atol/rtol when given, else chosen from the upstream run's dtype, attention
     backend and env (diffs.tolerance_for: fp32 1e-5; TF32 dots on CUDA Triton 1e-2, unless the run
-    recorded TRITON_F32_DEFAULT=ieee)."""
+    recorded TRITON_F32_DEFAULT=ieee; bf16 diffs.BF16). Tokens: exact in fp32; in bf16 vLLM's top-k
+    rule (diffs.diff_tokens_topk), the reimpl running on upstream's tokens (run_reimpl)."""
     from ..scenario import load_scenario
 
     t0 = time.perf_counter()
@@ -398,7 +442,14 @@ def compare(module: str, scenario_path: Path | str, *, fresh: bool = False, upst
     if tensors is None:
         tensors = module in TENSOR_MODULES
     backend = next((s["attention"].get("backend") for _, s in sorted(up_steps.items()) if s.get("attention")), None)
-    tol = diffs.tolerance_for(backend, meta.get("env"))
+    dtype = run_dtype(meta, up_steps)
+    up_top: dict[str, list[list[int]]] = {}
+    if dtype != "float32":
+        up_top = upstream_top(run_dir)
+        if not up_top:
+            raise TourError(f"upstream run {run_dir} ran in {dtype} but recorded no top-k logprobs, which the {dtype} "
+                            f"token rule needs: rerun it with logprobs (trace.run.run_upstream(..., logprobs={TOP_K}))")
+    tol = diffs.tolerance_for(backend, meta.get("env"), dtype)
     if atol is not None or rtol is not None:
         tol = diffs.Tolerance(tol.atol if atol is None else atol, tol.rtol if rtol is None else rtol, "given",
                               "set by the caller (--atol/--rtol)")
@@ -408,7 +459,7 @@ def compare(module: str, scenario_path: Path | str, *, fresh: bool = False, upst
     crash: Divergence | None = None
     try:
         engine, results, notes = run_reimpl(scenario, meta, up_steps, up_outputs, engine_factory, capture=tensors,
-                                            on_step=collected.append)
+                                            on_step=collected.append, dtype=dtype)
     except TourError:
         raise
     except Exception as e:  # the reimpl crashed: a divergence at the step it crashed in
@@ -428,12 +479,22 @@ def compare(module: str, scenario_path: Path | str, *, fresh: bool = False, upst
         re_tensors[step] = res.tensors
         re_state[step] = res.state
 
-    forced = set(engine.forced) if engine else set()
+    # forced: randomly sampled requests, whose tokens are upstream's and not compared (in bf16 the
+    # greedy ones run on upstream's tokens too, but their own greedy choices are compared by the top-k rule)
+    forced = {r["req_id"] for r in meta["requests"] if (r.get("temperature") or 0) > 0}
     re_outputs = engine.outputs() if engine else {}
+    if engine and dtype != "float32":  # the reimpl's own greedy picks, not the tokens it was given
+        re_outputs.update({rid: engine.greedy.get(rid, []) for rid in re_outputs if rid not in forced})
+    verdicts: dict[str, dict] = {}
     sections = diffs.SECTIONS[module]
     if crash is None:
-        divs = diffs.diff_tokens({k: v for k, v in up_outputs.items() if k not in forced},
-                                 {k: v for k, v in re_outputs.items() if k not in forced})
+        up_cmp = {k: v for k, v in up_outputs.items() if k not in forced}
+        re_cmp = {k: v for k, v in re_outputs.items() if k not in forced}
+        if dtype == "float32":
+            divs = diffs.diff_tokens(up_cmp, re_cmp)
+        else:
+            divs, verdicts = diffs.diff_tokens_topk(up_cmp, up_top, re_cmp, engine.topk)
+            notes += _topk_notes(verdicts, up_steps, dtype)
         divs += diffs.diff_steps(up_steps, re_steps, sections)
     else:  # compare what ran, up to and including the step that crashed
         divs = diffs.diff_steps({s: v for s, v in up_steps.items() if s < crash.step},
@@ -446,14 +507,40 @@ def compare(module: str, scenario_path: Path | str, *, fresh: bool = False, upst
 
     tokens = {rid: {"upstream": up_outputs.get(rid), "reimpl": re_outputs.get(rid), "forced": rid in forced}
               for rid in sorted(set(up_outputs) | set(re_outputs))}
+    for rid, v in verdicts.items():
+        tokens[rid]["top_k_rule"] = v  # ok, identical, first_diff, both tokens and top-k lists there
     result = CompareResult(module, scenario.name, str(scenario_path), str(run_dir), len(up_steps), len(re_steps),
-                           tokens, divs, tstats, notes, tolerance=tol, upstream_backend=backend)
+                           tokens, divs, tstats, notes, tolerance=tol, upstream_backend=backend, dtype=dtype)
     if not tensors:
         result.notes.append("tensors not compared for this module (use reimpl.paged_attn or reimpl.triton_attn)")
     if explain or not result.clean:
         result.explain = _explain(result, up_steps, re_steps, re_state)
     result.duration_s = time.perf_counter() - t0
     return result
+
+
+def _topk_notes(verdicts: dict[str, dict], up_steps: dict[int, dict], dtype: str) -> list[str]:
+    """Say where each request's tokens stopped being compared, and that the reimpl ran on upstream's tokens."""
+    notes = [f"{dtype}: the reimpl runs every request on upstream's tokens (teacher forcing) and records its own "
+             f"greedy token and top-{TOP_K} at each position; tokens follow vLLM's check_logprobs_close rule"]
+    for rid, v in sorted(verdicts.items()):
+        pos = v["first_diff"]
+        if v["ok"] and not v["identical"]:
+            notes.append(f"{rid}: greedy tokens first differ at output position {pos} (sampled at step "
+                         f"{_sampling_step(up_steps, rid, pos)}): upstream {v['upstream']}, reimpl {v['reimpl']}, each in "
+                         f"the other's top-{TOP_K}; tokens not compared after it, the reimpl continued with upstream's "
+                         "tokens, so later decisions and tensors are compared on the same context")
+    return notes
+
+
+def _sampling_step(up_steps: dict[int, dict], rid: str, pos: int) -> int | None:
+    """The upstream step whose runner sampled output position `pos` of request `rid`."""
+    n = 0
+    for step, s in sorted(up_steps.items()):
+        n += len(((s.get("runner") or {}).get("sampled_token_ids") or {}).get(rid) or [])
+        if n > pos:
+            return step
+    return None
 
 
 def _crash_divergence(e: Exception, step: int) -> Divergence:

@@ -23,12 +23,17 @@ def render(result: CompareResult, console: Console, explain: bool = False, max_r
     console.print(f"upstream run: {result.upstream_run}   steps upstream {result.steps_upstream} / reimpl {result.steps_reimpl}"
                   f"   ({result.duration_s:.1f}s)")
 
-    t = Table(title="tokens (exact)", show_lines=False)
+    exact = result.dtype == "float32"
+    t = Table(title="tokens (exact)" if exact else f"tokens ({result.dtype}: top-k rule, reimpl on upstream's tokens)",
+              caption=None if exact else result.tokens_rule, show_lines=False)
     for col in ("request", "upstream", "reimpl", ""):
         t.add_column(col, overflow="fold")
     for rid, tok in result.tokens.items():
         same = tok["upstream"] == tok["reimpl"]
         mark = "[yellow]forced[/]" if tok["forced"] else ("[green]=[/]" if same else "[red]≠[/]")
+        rule = tok.get("top_k_rule")
+        if rule and rule["ok"] and not rule["identical"]:
+            mark = f"[yellow]≈ from {rule['first_diff']} (top-k)[/]"
         t.add_row(escape(rid), _short(tok["upstream"], 60), _short(tok["reimpl"], 60), mark)
     console.print(t)
 

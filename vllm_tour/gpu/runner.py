@@ -47,6 +47,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..compare.tokens import first_difference, logprobs_close  # noqa: F401  (also runner's public names)
+
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_PIN = "v0.21.0"
 TRACE_SCENARIOS = ("single", "concurrent8", "chunked_prefill", "preemption", "shared_prefix")
@@ -54,7 +56,7 @@ COMPARE_SCENARIOS = ("cmp_single", "cmp_chunked", "cmp_preempt", "cmp_shared_pre
 MODULES = ("reimpl.paged_attn", "reimpl.chunked_prefill", "reimpl.triton_attn")
 STEPS = ("doctor", "race", "trace", "compare", "tokens", "pack")  # the race first: the one figure that needs minutes
 # Seconds each step is given at most (the overall deadline may give less).
-STEP_LIMITS = {"doctor": 60, "trace": 240, "compare": 150, "tokens": 150, "race": 330, "pack": 30}
+STEP_LIMITS = {"doctor": 60, "trace": 240, "compare": 150, "tokens": 150, "race": 420, "pack": 30}
 RESERVE_S = 25  # kept back for packing whatever exists
 ARCHIVE_MAX_BYTES = 15 << 20  # one file back is at most 16 MiB
 TRITON_F32_ENV = "TRITON_F32_DEFAULT"
@@ -167,35 +169,7 @@ def step_env(base: dict, triton_f32: str | None) -> dict:
     return env
 
 
-# --- the bf16 / fp32 token rules ----------------------------------------------------------
-
-
-def first_difference(a: list[int], b: list[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
-def logprobs_close(up_tokens: list[int], re_tokens: list[int], up_top: list[list[int]], re_top: list[list[int]]) -> dict:
-    """vLLM's `check_logprobs_close` rule for one request.
-
-    Where the greedy tokens first differ, each side's token must be among the
-    other side's top-k (k = 5 here) at that position; the comparison stops
-    there (after one divergence the two continue from different contexts).
-    """
-    pos = first_difference(up_tokens, re_tokens)
-    if pos is None:
-        return {"ok": True, "identical": True, "first_diff": None}
-    if pos >= min(len(up_tokens), len(re_tokens)):
-        return {"ok": False, "identical": False, "first_diff": pos, "why": f"lengths {len(up_tokens)} vs {len(re_tokens)}"}
-    u, r = up_tokens[pos], re_tokens[pos]
-    u_in_re = pos < len(re_top) and u in re_top[pos]
-    r_in_up = pos < len(up_top) and r in up_top[pos]
-    return {"ok": bool(u_in_re and r_in_up), "identical": False, "first_diff": pos, "upstream": u, "reimpl": r,
-            "upstream_in_reimpl_top": bool(u_in_re), "reimpl_in_upstream_top": bool(r_in_up),
-            "upstream_top": up_top[pos] if pos < len(up_top) else None,
-            "reimpl_top": re_top[pos] if pos < len(re_top) else None}
+# The bf16 / fp32 token rules (first_difference, logprobs_close) live in vllm_tour/compare/tokens.py.
 
 
 # --- subcommands that run on the GPU machine -------------------------------------------------

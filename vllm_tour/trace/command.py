@@ -65,7 +65,8 @@ def _slug(text: str) -> str:
     return "-".join(words[:4]).lower() or "prompt"
 
 
-def trace(scenario: Scenario, out: Path | None, capture: list[str], capture_steps: str, multiprocess: bool, console: Console) -> Path:
+def trace(scenario: Scenario, out: Path | None, capture: list[str], capture_steps: str, multiprocess: bool, console: Console,
+          logprobs: int | None = None) -> Path:
     from .reader import load_run
     from .run import run_upstream
 
@@ -77,7 +78,8 @@ def trace(scenario: Scenario, out: Path | None, capture: list[str], capture_step
         def progress(step: int, done: int, total: int) -> None:
             bar.update(task, completed=done, description=f"step {step}")
 
-        run_dir = run_upstream(scenario, out, capture, progress, multiprocess=multiprocess, capture_steps=capture_steps)
+        run_dir = run_upstream(scenario, out, capture, progress, multiprocess=multiprocess, capture_steps=capture_steps,
+                               logprobs=logprobs)
     run = load_run(run_dir)
     summarize(run, time.time() - started, console)
     return run_dir

@@ -115,6 +115,13 @@ def engine_kwargs(scenario: Scenario, model_path: Path, pin: str | None = None) 
     return kw
 
 
+def default_logprobs(scenario: Scenario) -> int:
+    """Top-k logprobs to ask upstream for: in low precision compare needs them for vLLM's top-k token rule."""
+    from ..compare.tokens import TOP_K
+
+    return 0 if scenario.engine.dtype in ("float32", "float") else TOP_K
+
+
 def check_pin(tag: str):
     """The pin must exist and match the installed vLLM; TourError otherwise."""
     from ..pins import installed_vllm, load_pin
@@ -160,13 +167,17 @@ def run_upstream(
     multiprocess: bool = False,
     capture_steps: str = "",
     fault: str | None = None,
+    logprobs: int | None = None,
 ) -> Path:
     """Run `scenario` on the installed upstream vLLM; return the run directory.
 
     probes=False runs the same engine untraced (outputs.json and meta.json
     only): the reference for "probes change nothing". `fault` names a probe
-    that is made to raise (tests). Everything that can be checked is checked
-    before the engine starts: pin, model, capture names, every probe target.
+    that is made to raise (tests). `logprobs` = k records each generated
+    position's top-k token ids and logprobs in outputs.json (None: k = 5 unless
+    the scenario runs in float32; see default_logprobs). Everything that can be
+    checked is checked before the engine starts: pin, model, capture names,
+    every probe target.
     """
     from ..models import model_digest, resolve_model
     from ..pins import active_pin_tag
@@ -175,6 +186,9 @@ def run_upstream(
     tag = scenario.pin or active_pin_tag()
     check_pin(tag)
     names = _check_capture(capture)
+    logprobs = default_logprobs(scenario) if logprobs is None else logprobs
+    if logprobs < 0:
+        raise TourError(f"logprobs must be >= 0, got {logprobs}")
     model_path = resolve_model(scenario.model)
     backend = attention_backend(scenario, tag)
     if probes:
@@ -207,7 +221,7 @@ def run_upstream(
         model=scenario.model,
         model_path=str(model_path),
         model_digest=_digest(model_digest, model_path),
-        engine_args={**kwargs, "multiprocess": multiprocess, "probes": probes, "capture": names},
+        engine_args={**kwargs, "multiprocess": multiprocess, "probes": probes, "capture": names, "logprobs": logprobs},
         requests=[
             RequestSpec(
                 req_id=r.id,
@@ -231,7 +245,7 @@ def run_upstream(
             if probes:
                 install_all(tag, backend=backend)  # this process; child processes install through the plugin
                 RECORDER.activate(run_dir.resolve(), ",".join(names), capture_steps, fault)
-            outputs = _drive(scenario, kwargs, progress)
+            outputs = _drive(scenario, kwargs, progress, logprobs)
         except BaseException as e:
             meta.status, meta.error, meta.finished = "failed", f"{type(e).__name__}: {e}"[:2000], time.time()
             write_json_atomic(run_dir / "meta.json", meta.model_dump(mode="json"))
@@ -257,7 +271,7 @@ def _digest(fn, path: Path) -> str | None:
         return None
 
 
-def _drive(scenario: Scenario, kwargs: dict, progress: Progress | None) -> list[RequestOutput]:
+def _drive(scenario: Scenario, kwargs: dict, progress: Progress | None, logprobs: int = 0) -> list[RequestOutput]:
     """Start the engine, feed requests at their arrival steps, step until all finish."""
     from vllm import EngineArgs, SamplingParams
     from vllm.v1.engine.llm_engine import LLMEngine
@@ -273,7 +287,8 @@ def _drive(scenario: Scenario, kwargs: dict, progress: Progress | None) -> list[
             # An idle engine would not step: requests due later arrive now.
             while pending and (pending[0].arrival_step <= step or not engine.has_unfinished_requests()):
                 r = pending.pop(0)
-                params = SamplingParams(max_tokens=r.max_tokens, temperature=r.temperature, seed=r.seed, ignore_eos=r.ignore_eos)
+                params = SamplingParams(max_tokens=r.max_tokens, temperature=r.temperature, seed=r.seed, ignore_eos=r.ignore_eos,
+                                        logprobs=logprobs or None)
                 prompt = {"prompt_token_ids": list(r.token_ids)} if r.token_ids is not None else r.prompt
                 engine.add_request(r.id, prompt, params)
             for out in engine.step():
@@ -285,6 +300,7 @@ def _drive(scenario: Scenario, kwargs: dict, progress: Progress | None) -> list[
                         token_ids=list(c.token_ids),
                         text=c.text,
                         finish_reason=c.finish_reason,
+                        **(_top_logprobs(c.logprobs, logprobs) if logprobs else {}),
                     )
             step += 1
             if progress:
@@ -294,6 +310,19 @@ def _drive(scenario: Scenario, kwargs: dict, progress: Progress | None) -> list[
         return [done[r.id] for r in scenario.requests if r.id in done]
     finally:
         _shutdown(engine)
+
+
+def _top_logprobs(positions, k: int) -> dict:
+    """Per position, the top-k token ids by rank and their logprobs.
+
+    Upstream's dict per position holds the top-k (ranks 1..k) plus the sampled
+    token with its own rank when it is not among them: keep ranks 1..k."""
+    ids, lps = [], []
+    for lp in positions or []:
+        top = sorted(lp.items(), key=lambda kv: (kv[1].rank or k + 1, -kv[1].logprob))[:k]
+        ids.append([int(t) for t, _ in top])
+        lps.append([float(v.logprob) for _, v in top])
+    return {"top_token_ids": ids, "top_logprobs": lps}
 
 
 def _shutdown(engine) -> None:

@@ -244,6 +244,10 @@ class RequestOutput(BaseModel):
     token_ids: list[int]
     text: str
     finish_reason: str | None = None
+    # Only when logprobs were asked for (bf16 scenarios, or `trace --logprobs K`): per generated
+    # position, the ids of upstream's top-k tokens by rank and their logprobs (compare's bf16 token rule).
+    top_token_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
 
 
 class Outputs(BaseModel):
