@@ -10,7 +10,7 @@ deadline, so a hang costs that step only; results go under OUT):
 
   doctor   `vllm-tour doctor --pin v0.21.0` against the carried install   doctor.txt
   trace    the scenarios on upstream with probes (+ captures for the
-           compare scenarios), TRITON_ATTN, fp32                           traces/<scenario>/
+           compare scenarios), TRITON_ATTN, the scenario's dtype          traces/<scenario>/
   compare  `compare(reimpl.MODULE, scenario, upstream_run=trace)` for each
            module x compare scenario: decisions, tokens, tensors            compare-<module>.json
   tokens   fp32: upstream CUDA tokens == reimpl tokens (exact);
@@ -52,7 +52,8 @@ from ..compare.tokens import first_difference, logprobs_close  # noqa: F401  (al
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_PIN = "v0.21.0"
 TRACE_SCENARIOS = ("single", "concurrent8", "chunked_prefill", "preemption", "shared_prefix")
-COMPARE_SCENARIOS = ("cmp_single", "cmp_chunked", "cmp_preempt", "cmp_shared_prefix")
+COMPARE_SCENARIOS = ("cmp_single", "cmp_chunked", "cmp_preempt", "cmp_shared_prefix",
+                     "cmp_single_bf16", "cmp_chunked_bf16", "cmp_preempt_bf16")
 MODULES = ("reimpl.paged_attn", "reimpl.chunked_prefill", "reimpl.triton_attn")
 STEPS = ("doctor", "race", "trace", "compare", "tokens", "pack")  # the race first: the one figure that needs minutes
 # Seconds each step is given at most (the overall deadline may give less).
