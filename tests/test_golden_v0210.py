@@ -1,6 +1,7 @@
 """Golden traces recorded on the H200 (upstream vLLM 0.21.0, CUDA, TRITON_ATTN, fp32 with
 TRITON_F32_DEFAULT=ieee, i.e. upstream's Triton attention dots in true fp32) by
-`vllm_tour/gpu/cuda_run.sh --triton-f32 ieee`. They cannot be re-recorded on CPU; what is checked
+`vllm_tour/gpu/cuda_run.sh --triton-f32 ieee`; the *_bf16 ones in bf16 with top-5 logprobs
+(traces/gpu-results/20261130-h200-v0.21.0-bf16). They cannot be re-recorded on CPU; what is checked
 here: every probe family recorded on CUDA, and the reimpl's decisions and tokens against them."""
 
 import json
@@ -164,3 +165,22 @@ def test_tf32_tolerance_is_needed_and_enough(compare_upstream):
     r = compare_upstream("reimpl.paged_attn", "cmp_chunked", engine_factory=_tf32_engine,
                          atol=diffs.TF32_DOTS.atol, rtol=diffs.TF32_DOTS.rtol)
     assert r.clean
+
+
+BF16_NAMES = ("cmp_chunked_bf16", "cmp_preempt_bf16")
+
+
+@pytest.mark.parametrize("name", BF16_NAMES)
+def test_reimpl_bf16_on_cpu_matches_upstream_cuda_bf16(tmp_path, name):
+    """bf16 goldens from the H200 (upstream 0.21.0, TRITON_ATTN, top-5 logprobs recorded): the reimpl in bf16
+    on the CPU makes every decision upstream made (on upstream's tokens), and where its own greedy pick first
+    differs, both picks are in the other side's top-5 (vLLM's check_logprobs_close)."""
+    meta = json.loads((V0210 / name / "meta.json").read_text())
+    assert meta["engine_args"]["dtype"] == "bfloat16" and meta["engine_args"]["logprobs"] == 5
+    outs = json.loads((V0210 / name / "outputs.json").read_text())
+    assert all(len(o["top_token_ids"]) == len(o["token_ids"]) > 0 for o in outs["requests"])
+    r = _compare_golden(tmp_path, name)
+    assert r["status"] == "clean", r["first_divergence"]
+    assert r["tolerance"]["name"] == "bf16"
+    assert r["steps"]["upstream"] == r["steps"]["reimpl"] >= 10
+    assert r["tokens_rule"].startswith("vLLM's check_logprobs_close")
