@@ -24,6 +24,11 @@ engine's model runner does:
   9 kernels per layer instead of ~61 (on the CPU the torch ops stay);
 - logits only for the rows that sample (upstream `logits_indices`), sampling
   batched on the device;
+- async scheduling (`FastConfig.async_scheduling`, reimpl/async_scheduler.py):
+  step t+1 is scheduled and launched before step t's tokens reach the host;
+  a decode whose input token is still in flight gets it from step t's sampled
+  tensor on the device, and the inputs go up through pinned memory without
+  blocking, so Python's scheduling overlaps the GPU's forward;
 - CUDA graphs for pure-decode steps (upstream `CUDAGraphWrapper` /
   nano-vllm's `capture_cudagraph`): the forward for a padded batch size is
   captured once and replayed; padding tokens write slot 0 of the null block
@@ -32,7 +37,8 @@ engine's model runner does:
 
 Upstream counterparts (v0.21.0 / v0.32.0): `vllm.v1.worker.gpu_model_runner.
 GPUModelRunner` (`_prepare_inputs`, `execute_model`, `sample_tokens`,
-`capture_model`), `vllm.v1.engine.core.EngineCore.step`.
+`capture_model`), `vllm.v1.engine.core.EngineCore.step` and, with async
+scheduling, `EngineCore.step_with_batch_queue`.
 """
 
 from __future__ import annotations
