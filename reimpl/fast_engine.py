@@ -314,8 +314,9 @@ class FastEngine:
         self.device = model.device
         self.attn_fn = attn_fn or default_attn_fn(self.device)
         self.kv = KVCacheManager(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching, cfg.max_model_len)
-        self.scheduler = (AsyncScheduler if cfg.async_scheduling else Scheduler)(self.kv, cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.max_model_len,
-                                   cfg.enable_chunked_prefill)
+        scheduler_cls = AsyncScheduler if cfg.async_scheduling else Scheduler
+        self.scheduler = scheduler_cls(self.kv, cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.max_model_len,
+                                       cfg.enable_chunked_prefill)
         self.caches = model.new_kv_caches(cfg.num_blocks, cfg.block_size)
         # Persistent block table: one row per running request (upstream BlockTable).
         self.max_blocks = math.ceil(cfg.max_model_len / cfg.block_size)
@@ -404,10 +405,6 @@ class FastEngine:
             parts = flat.split([arrays[k].size for k in names])
             res.update({k: t.view(arrays[k].shape) for k, t in zip(names, parts)})
         return res
-
-    def execute(self, out: SchedulerOutput) -> dict[str, int]:
-        """Run one step and wait for its tokens."""
-        return self.collect(self.launch(out))
 
     def launch(self, out: SchedulerOutput) -> InFlight:
         """Queue the step's forward and sampling on the device; the tokens come back in `collect`."""
