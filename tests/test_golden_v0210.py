@@ -38,11 +38,11 @@ def test_cuda_golden_has_every_record_kind(name):
     load_run(d)  # the reader takes it
 
 
-def _golden_run(tmp_path, name, env: dict | None = None) -> Path:
+def _golden_run(tmp_path, name, env: dict | None = None, golden: Path = V0210) -> Path:
     from vllm_tour.models import resolve_model
 
     run = tmp_path / name
-    shutil.copytree(V0210 / name, run)
+    shutil.copytree(golden / name, run)
     meta = json.loads((run / "meta.json").read_text())
     meta["model_path"] = str(resolve_model(meta["model"]))  # goldens store "<cache>/…"
     if env is not None:
@@ -51,11 +51,11 @@ def _golden_run(tmp_path, name, env: dict | None = None) -> Path:
     return run
 
 
-def _compare_golden(tmp_path, name, module="reimpl.chunked_prefill", env=None, **kw) -> dict:
+def _compare_golden(tmp_path, name, module="reimpl.chunked_prefill", env=None, golden=V0210, **kw) -> dict:
     from vllm_tour.compare import harness
 
     return harness.compare(module, harness.SCENARIOS_DIR / f"{name}.toml",
-                           upstream_run=_golden_run(tmp_path, name, env), **kw).to_json()
+                           upstream_run=_golden_run(tmp_path, name, env, golden), **kw).to_json()
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -184,3 +184,20 @@ def test_reimpl_bf16_on_cpu_matches_upstream_cuda_bf16(tmp_path, name):
     assert r["tolerance"]["name"] == "bf16"
     assert r["steps"]["upstream"] == r["steps"]["reimpl"] >= 10
     assert r["tokens_rule"].startswith("vLLM's check_logprobs_close")
+
+
+def test_flash_attn_golden_probes_and_reimpl_bf16(tmp_path):
+    """FLASH_ATTN (fa3) on the H200, bf16 (traces/gpu-results/20261130-h200-v0.21.0-flash-bf16): its attention
+    probe recorded FlashAttention's metadata and KV layout every step, and the CPU bf16 reimpl makes every
+    decision upstream made, its own greedy picks within vLLM's top-5 rule."""
+    d = V0210 / "flash_attn" / "cmp_chunked_bf16"
+    meta = json.loads((d / "meta.json").read_text())
+    assert meta["engine_args"]["attention_config"] == {"backend": "FLASH_ATTN"}
+    recs = [json.loads(line) for line in (d / "records.0.jsonl").read_text().splitlines()]
+    att = [r for r in recs if r["kind"] == "attention"]
+    assert {r["backend"] for r in att} == {"FlashAttention"}
+    assert {r["layout"] for r in att} == {"[2, blocks, block_size, kv_heads, head]"}
+    assert len(att) == len({r["step"] for r in recs if r["kind"] == "scheduler"}) == 10
+    r = _compare_golden(tmp_path, "cmp_chunked_bf16", golden=V0210 / "flash_attn")
+    assert r["status"] == "clean", r["first_divergence"]
+    assert r["tolerance"]["name"] == "bf16" and r["tolerance"]["upstream_attention_backend"] == "FlashAttention"
