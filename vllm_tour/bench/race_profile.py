@@ -52,19 +52,27 @@ def phase_profile(eng, reqs) -> dict:
     times: dict[str, float] = {}
     rows: list[dict] = []
 
-    def timed(name, fn, sync=False):
+    def add(name: str, seconds: float) -> None:
+        times[name] = times.get(name, 0.0) + seconds
+
+    def timed(name, fn):
         def wrapper(*a, **k):
             t = time.perf_counter()
             r = fn(*a, **k)
-            if sync:
-                times["launch"] = times.get("launch", 0.0) + time.perf_counter() - t
-                t = time.perf_counter()
-                if torch.cuda.is_available():
-                    torch.cuda.synchronize()
-                name_ = "gpu"
-            else:
-                name_ = name
-            times[name_] = times.get(name_, 0.0) + time.perf_counter() - t
+            add(name, time.perf_counter() - t)
+            return r
+        return wrapper
+
+    def launched_then_waited(fn):
+        """`launch`: queueing the forward's kernels; `gpu`: waiting for them to finish."""
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            r = fn(*a, **k)
+            add("launch", time.perf_counter() - t)
+            t = time.perf_counter()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            add("gpu", time.perf_counter() - t)
             return r
         return wrapper
 
@@ -72,8 +80,8 @@ def phase_profile(eng, reqs) -> dict:
     sched.schedule = timed("schedule", sched.schedule)
     sched.update_from_output = timed("update", sched.update_from_output)
     eng.prepare = timed("prepare", eng.prepare)
-    eng.model.forward = timed("forward", eng.model.forward, sync=True)
-    eng._replay = timed("replay", eng._replay, sync=True)
+    eng.model.forward = launched_then_waited(eng.model.forward)
+    eng._replay = launched_then_waited(eng._replay)
     orig_launch, orig_collect = eng.launch, eng.collect
 
     def launch(out):  # what launch spends beyond prepare/forward is sampling (+ the uploads)
@@ -82,7 +90,7 @@ def phase_profile(eng, reqs) -> dict:
         r = orig_launch(out)
         total = time.perf_counter() - t
         inner = sum(times.get(k, 0.0) - before.get(k, 0.0) for k in ("prepare", "launch", "gpu"))
-        times["sample"] = times.get("sample", 0.0) + total - inner
+        add("sample", total - inner)
         return r
 
     eng.launch = launch

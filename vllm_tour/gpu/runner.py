@@ -47,7 +47,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..compare.tokens import first_difference, logprobs_close  # noqa: F401  (also runner's public names)
+from ..compare.tokens import first_difference, logprobs_close
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_PIN = "v0.21.0"
@@ -168,9 +168,6 @@ def step_env(base: dict, triton_f32: str | None) -> dict:
     if triton_f32:
         env[TRITON_F32_ENV] = triton_f32
     return env
-
-
-# The bf16 / fp32 token rules (first_difference, logprobs_close) live in vllm_tour/compare/tokens.py.
 
 
 # --- subcommands that run on the GPU machine -------------------------------------------------
