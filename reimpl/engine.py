@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -43,6 +44,9 @@ class EngineConfig:
     # mirrors v0.32.0, "append_all" mirrors v0.21.0. Chosen per pin by the harness.
     free_policy: str = "uncached_to_front"
     dtype: str = "float32"  # or "bfloat16": weights, activations and the KV cache (see qwen3.py)
+    # Round the softmax weights to bf16 before P·V, as upstream's AMX CPU kernel does
+    # (paged_attn.paged_attention). Chosen by the harness from the ISA upstream recorded.
+    bf16_attention_weights: bool = False
 
 
 @dataclass
@@ -67,7 +71,10 @@ class StepResult:
 class Engine:
     def __init__(self, cfg: EngineConfig, model: Qwen3 | None = None):
         self.cfg = cfg
-        self.model = model or Qwen3(cfg.model_dir, dtype=cfg.dtype)
+        attention = paged_attn.paged_attention
+        if cfg.bf16_attention_weights:
+            attention = partial(attention, bf16_weights=True)
+        self.model = model or Qwen3(cfg.model_dir, attention=attention, dtype=cfg.dtype)
         self.kv = KVCacheManager(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching, cfg.max_model_len,
                                  cfg.free_policy)
         self.scheduler = Scheduler(

@@ -5,7 +5,7 @@ Upstream counterparts (v0.32.0):
   (slot = block_table[pos // block_size] * block_size + pos % block_size)
 - cache write: `vllm.v1.attention.backends.cpu_attn.CPUAttentionBackendImpl.do_kv_cache_update`
 - attention over the cache: `vllm.v1.attention.backends.cpu_attn.CPUAttentionBackendImpl.forward`
-  (a C++ kernel upstream; plain torch here)
+  (a C++ kernel upstream, one per ISA that `cpu_attn._get_attn_isa` picks; plain torch here)
 - the block bookkeeping behind the tables: see block_pool.py and kv_cache_manager.py
   (`vllm.v1.core.block_pool.BlockPool`, `vllm.v1.core.kv_cache_manager.KVCacheManager`)
 
@@ -54,9 +54,10 @@ class PagedKVCache:
     """One layer's cache: K and V, each [num_blocks, block_size, num_kv_heads, head_dim].
 
     (Upstream's CPU backend allocates [num_blocks, num_kv_heads, block_size,
-    2 * head_size], but inside each (block, head) it stores K *transposed*,
-    [head_size, block_size], followed by V as [block_size, head_size] -- a
-    layout its C++ kernel reads fast. `compare` converts both to one shape.)
+    2 * head_size], and inside each (block, head) stores K then V in the order
+    its C++ kernel reads fastest: K transposed for the "vec" kernel, K and V cut
+    into 16-row AMX tiles for the "amx" one. The tracer decodes that into this
+    module's shape when it captures the blocks.)
     """
 
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype=torch.float32):
@@ -81,7 +82,8 @@ class PagedKVCache:
         return torch.stack([self.k[idx], self.v[idx]], dim=1).permute(0, 1, 3, 2, 4).contiguous()
 
 
-def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cache: PagedKVCache, meta: BatchMeta) -> torch.Tensor:
+def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cache: PagedKVCache, meta: BatchMeta,
+                    bf16_weights: bool = False) -> torch.Tensor:
     """Causal attention for a flattened batch of requests, each at its own position.
 
     q: [num_tokens, num_heads, head_dim]; k_new/v_new: [num_tokens, kv_heads, head_dim].
@@ -93,6 +95,13 @@ def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, c
     A request's query tokens are the last `query_len` positions of its sequence.
     Scores, softmax and the weighted sum run in fp32 whatever the cache dtype
     (as upstream's kernels accumulate); the output is rounded to q's dtype.
+
+    bf16_weights mirrors upstream's AMX kernel (bf16 on CPUs with AMX tiles): its
+    P·V product is a bf16 tile gemm, so the unnormalised weights exp(s - max) enter
+    it rounded to bf16, and the fp32 sum of the unrounded weights divides after.
+    Against that kernel, rounding here brings the layer-0 attention difference from
+    7.8e-3 to 9.8e-4 (cmp_single_bf16, tiny-qwen3); against the "vec" kernel, which
+    keeps the weights in fp32, it would add error instead.
     """
     cache.write(k_new, v_new, meta.slot_mapping)
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -111,6 +120,10 @@ def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, c
         q_pos = torch.arange(seq_len - query_len, seq_len).unsqueeze(1)
         k_pos = torch.arange(seq_len).unsqueeze(0)
         scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        out[start:end] = torch.matmul(probs, v.transpose(0, 1)).transpose(0, 1).reshape(query_len, -1)
+        if bf16_weights:
+            weights = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
+            mixed = torch.matmul(weights.bfloat16().float(), v.transpose(0, 1)) / weights.sum(dim=-1, keepdim=True)
+        else:
+            mixed = torch.matmul(torch.softmax(scores, dim=-1), v.transpose(0, 1))
+        out[start:end] = mixed.transpose(0, 1).reshape(query_len, -1)
     return out

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
@@ -44,6 +45,9 @@ class EngineSpec(BaseModel):
     # Upstream attention backend (e.g. TRITON_ATTN, FLASH_ATTN); None: the pin's default
     # (probes.attention.DEFAULT_BACKEND: CPU_ATTN on v0.32.0, TRITON_ATTN on v0.21.0).
     attention_backend: str | None = None
+    # CPU_ATTN kernel ISA; None: upstream's choice (amx for bf16 on AMX CPUs, else vec). Forcing
+    # "vec" on an AMX machine traces the other kernel and KV layout (probes/cpu_isa.py).
+    cpu_attention_isa: Literal["vec", "vec16", "amx"] | None = None
 
     @model_validator(mode="after")
     def _check(self):

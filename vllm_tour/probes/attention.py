@@ -115,6 +115,7 @@ def _build_after(token, md, self, common_prefix_len, common_attn_metadata, *a, l
             "kind": "attention",
             "backend": type(self).__name__.removesuffix("MetadataBuilder"),
             "layout": layout or _layout(self),
+            "isa": getattr(self, "isa", None),
             "num_reqs": num_reqs,
             "seq_lens": _np(md.seq_lens)[:num_reqs].tolist(),
             "query_lens": np.diff(qsl).tolist(),

@@ -5,9 +5,10 @@ Names are stable so comparisons can refer to them:
                         tokens, [num_tokens, num_heads * head_dim], batch order
                         as in the runner record
   kv_blocks.layers.<i>  the KV-cache blocks this step wrote (ids in the
-                        CaptureRecord's block_ids, ascending), after the write;
-                        CPU layout [block, kv_head, slot, K|V * head_dim];
-                        CUDA backends (v0.21.0) save [block, K|V, kv_head, slot, head_dim]
+                        CaptureRecord's block_ids, ascending), after the write,
+                        always in the canonical [block, K|V, kv_head, slot, head_dim]:
+                        each backend's (and each CPU ISA's) layout is decoded here
+                        (kv_layout.py); the record names the ISA that wrote it
 One file per step and rank: captures/step-<NNNN>.rank<r>.safetensors.
 """
 
@@ -18,11 +19,10 @@ import re
 from ..trace.schema import CaptureRecord
 from ..trace.writer import RECORDER as R
 from .base import Probe
+from .kv_layout import CANONICAL_LAYOUT, cpu_canonical
 
 PINS = ("v0.32.0",)
 CUDA_PINS = ("v0.21.0",)
-CPU_LAYOUT = "[block, kv_head, slot, K|V * head_dim]"
-CANONICAL_LAYOUT = "[block, K|V, kv_head, slot, head_dim]"
 NAMES = ("attn_out", "kv_blocks")
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
@@ -34,17 +34,19 @@ def note_slots(slots: list[int]) -> None:
     _slots = slots
 
 
-# Per backend: the written blocks as saved, and their layout name (block_size is shape[2] in all three).
-def _cpu_blocks(kv_cache, blocks):
-    return kv_cache[blocks], CPU_LAYOUT
+# Per backend: the written blocks in the canonical layout, and what to record about how they
+# were stored (block_size is shape[2] in all three).
+def _cpu_blocks(kv_cache, blocks, layer):
+    isa = layer.isa  # set on every attention layer by CPUAttentionMetadataBuilder (its _get_attn_isa pick)
+    return cpu_canonical(kv_cache[blocks], isa), {"isa": isa}
 
 
-def _triton_blocks(kv_cache, blocks):  # [blocks, 2, block_size, kv_heads, head]
-    return kv_cache[blocks].permute(0, 1, 3, 2, 4), CANONICAL_LAYOUT
+def _triton_blocks(kv_cache, blocks, layer):  # [blocks, 2, block_size, kv_heads, head]
+    return kv_cache[blocks].permute(0, 1, 3, 2, 4), {}
 
 
-def _flash_blocks(kv_cache, blocks):  # [2, blocks, block_size, kv_heads, head]
-    return kv_cache[:, blocks].permute(1, 0, 3, 2, 4), CANONICAL_LAYOUT
+def _flash_blocks(kv_cache, blocks, layer):  # [2, blocks, block_size, kv_heads, head]
+    return kv_cache[:, blocks].permute(1, 0, 3, 2, 4), {}
 
 
 def _forward_after(token, result, self, layer, query, key, value, kv_cache, attn_metadata, output, *a, select=_cpu_blocks, **kw):
@@ -62,9 +64,9 @@ def _forward_after(token, result, self, layer, query, key, value, kv_cache, attn
     if R.should_capture(name, step):
         block_size = kv_cache.shape[2]
         blocks = sorted({s // block_size for s in _slots if s >= 0})
-        t, layout = select(kv_cache, blocks)
+        t, written_by = select(kv_cache, blocks, layer)
         R.captures[name] = t.detach().to("cpu", copy=True)
-        R.capture_meta[name] = {"block_ids": blocks, "layout": layout}
+        R.capture_meta[name] = {"block_ids": blocks, "layout": CANONICAL_LAYOUT, **written_by}
 
 
 forward = Probe(

@@ -181,6 +181,7 @@ def run_upstream(
     """
     from ..models import model_digest, resolve_model
     from ..pins import active_pin_tag
+    from ..probes import cpu_isa
     from ..probes.install import BACKEND_ENV, PIN_ENV, check_probes, install_all
 
     tag = scenario.pin or active_pin_tag()
@@ -193,6 +194,8 @@ def run_upstream(
     backend = attention_backend(scenario, tag)
     if probes:
         check_probes(tag, backend=backend)  # a missing target fails here, before any engine starts
+    if scenario.engine.cpu_attention_isa:
+        cpu_isa.check(scenario.engine.cpu_attention_isa, scenario.engine.dtype, backend)
     kwargs = engine_kwargs(scenario, model_path, tag)
 
     run_dir = Path(run_dir) if run_dir else new_run_dir(scenario.name)
@@ -206,6 +209,8 @@ def run_upstream(
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0", PIN_ENV: tag}
     if scenario.engine.attention_backend:  # else every process takes the pin's default
         env[BACKEND_ENV] = scenario.engine.attention_backend
+    if scenario.engine.cpu_attention_isa:
+        env[cpu_isa.ISA_ENV] = scenario.engine.cpu_attention_isa
     if scenario.engine.tensor_parallel_size > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(scenario.engine.tensor_parallel_size))
     if probes:

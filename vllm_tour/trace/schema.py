@@ -161,6 +161,9 @@ class AttentionRecord(_Record):
     kind: Literal["attention"] = "attention"
     backend: str
     layout: str | None = None
+    # CPU_ATTN: the kernel ISA upstream's _get_attn_isa picked (vec, vec16, amx, ...): it decides
+    # the KV-cache memory layout and the order of the attention's bf16 sums. None on CUDA.
+    isa: str | None = None
     num_reqs: int
     seq_lens: list[int]
     query_lens: list[int]
@@ -181,6 +184,7 @@ class CaptureRecord(_Record):
     # kv_blocks.*: the physical block ids of the captured rows, in tensor order.
     block_ids: list[int] | None = None
     layout: str | None = None  # axis meaning when not obvious from the name
+    isa: str | None = None  # kv_blocks.* on CPU: the attention ISA whose layout was decoded at capture
 
 
 class ProbeErrorRecord(_Record):
