@@ -22,12 +22,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import TourError
+from .modules import REFERENCE
 
 
 @dataclass(frozen=True)
 class Component:
     name: str
-    reference: str  # "module:object" in reimpl/
+    reference: str  # "module:object" in reimpl/ (modules.REFERENCE)
     methods: tuple[str, ...]  # called from outside; empty for a function (its own signature is the interface)
     attributes: tuple[str, ...]  # read from outside (found missing only when the engine runs)
     upstream: tuple[str, ...]  # qualified names of the counterparts at the pin
@@ -52,7 +53,7 @@ class Component:
 
 COMPONENTS: dict[str, Component] = {c.name: c for c in (
     Component(
-        "block_pool", "reimpl.block_pool:BlockPool",
+        "block_pool", REFERENCE["block_pool"],
         methods=("__init__", "get_cached_block", "cache_full_blocks", "get_new_blocks", "touch", "free_blocks",
                  "num_free_blocks", "usage", "take_events"),
         attributes=("num_blocks", "enable_caching", "null_block", "free_queue (with block_ids())",
@@ -67,7 +68,7 @@ COMPONENTS: dict[str, Component] = {c.name: c for c in (
                "pool-free-order", "pool-cached-lookup", "pool-cache-full", "pool-usage"),
     ),
     Component(
-        "kv_cache_manager", "reimpl.kv_cache_manager:KVCacheManager",
+        "kv_cache_manager", REFERENCE["kv_cache_manager"],
         methods=("__init__", "register", "get_computed_blocks", "allocate_slots", "free", "block_tables", "block_ids"),
         attributes=("block_pool", "enable_caching"),
         upstream=("vllm.v1.core.kv_cache_manager.KVCacheManager",
@@ -82,7 +83,7 @@ COMPONENTS: dict[str, Component] = {c.name: c for c in (
                "kvm-free-reverse", "kvm-new-blocks", "kvm-hash-chain", "kvm-hash-full-only"),
     ),
     Component(
-        "scheduler", "reimpl.chunked_prefill:Scheduler",
+        "scheduler", REFERENCE["scheduler"],
         methods=("__init__", "add_request", "has_unfinished", "schedule", "update_from_output"),
         attributes=("waiting", "running", "requests", "max_num_seqs"),
         upstream=("vllm.v1.core.sched.scheduler.Scheduler",),
@@ -98,7 +99,7 @@ COMPONENTS: dict[str, Component] = {c.name: c for c in (
                "sched-preempt-prepend", "sched-update-from-output", "sched-check-stop"),
     ),
     Component(
-        "paged_attention", "reimpl.paged_attn:paged_attention",
+        "paged_attention", REFERENCE["paged_attention"],
         methods=(),
         attributes=(),
         upstream=("vllm.v1.attention.backends.cpu_attn.CPUAttentionBackendImpl.forward",),
