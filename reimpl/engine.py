@@ -16,9 +16,11 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
+from .block_pool import BlockPool
 from .chunked_prefill import Scheduler, SchedulerOutput
 from .kv_cache_manager import KVCacheManager
 from . import paged_attn
@@ -65,12 +67,17 @@ class StepResult:
 
 
 class Engine:
-    def __init__(self, cfg: EngineConfig, model: Qwen3 | None = None):
+    """The engine loop around four swappable components (compare's `--impl` passes a learner's own):
+    block_pool, kv_cache_manager and scheduler are classes, paged_attention the model's attention function."""
+
+    def __init__(self, cfg: EngineConfig, model: Qwen3 | None = None, *, block_pool: type = BlockPool,
+                 kv_cache_manager: type = KVCacheManager, scheduler: type = Scheduler,
+                 paged_attention: Callable = paged_attn.paged_attention):
         self.cfg = cfg
-        self.model = model or Qwen3(cfg.model_dir, dtype=cfg.dtype)
-        self.kv = KVCacheManager(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching, cfg.max_model_len,
-                                 cfg.free_policy)
-        self.scheduler = Scheduler(
+        self.model = model or Qwen3(cfg.model_dir, attention=paged_attention, dtype=cfg.dtype)
+        self.kv = kv_cache_manager(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching, cfg.max_model_len,
+                                   cfg.free_policy, block_pool_cls=block_pool)
+        self.scheduler = scheduler(
             self.kv, cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.max_model_len,
             cfg.enable_chunked_prefill, cfg.reserve_full_sequence,
         )

@@ -63,11 +63,13 @@ def make_block_hasher(block_size: int):
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool, max_model_len: int,
-                 free_policy: str = "uncached_to_front"):
+                 free_policy: str = "uncached_to_front", block_pool_cls: type[BlockPool] = BlockPool):
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.max_model_len = max_model_len
-        self.block_pool = BlockPool(num_blocks, enable_caching, free_policy)
+        # Upstream builds its BlockPool inside (through the KV-cache coordinator); the class is
+        # a parameter here so that compare can run a learner's own pool (--impl block_pool=...).
+        self.block_pool = block_pool_cls(num_blocks, enable_caching, free_policy)
         self.req_to_blocks: dict[str, list[Block]] = {}
         # How many leading blocks of each request are already in the prefix cache.
         self.num_cached_block: dict[str, int] = {}

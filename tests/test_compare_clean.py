@@ -8,7 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from vllm_tour.cli import app
-from vllm_tour.compare import harness
+from vllm_tour.compare.modules import MODULES
 from vllm_tour.compare.pytest_plugin import assert_matches_upstream
 from vllm_tour.errors import TourError
 
@@ -18,7 +18,7 @@ CMP = ["cmp_single", "cmp_concurrent", "cmp_shared_prefix", "cmp_preempt", "cmp_
 
 # reimpl.triton_attn needs the Triton interpreter from process start on CPU:
 # tests/test_compare_triton.py runs it through the CLI in its own process.
-IN_PROCESS = [m for m in harness.MODULES if m != "reimpl.triton_attn"]
+IN_PROCESS = [name for name, m in MODULES.items() if not m.triton]
 
 
 @pytest.mark.parametrize("module", IN_PROCESS)
@@ -86,4 +86,4 @@ def test_could_not_run_is_one_line_exit_2_from_the_real_command():
     p = subprocess.run([sys.executable, "-m", "vllm_tour", "compare", "reimpl.nope", "--all-scenarios"],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2
-    assert p.stderr.strip().splitlines() == [f"error: unknown module 'reimpl.nope' (known: {', '.join(harness.MODULES)})"]
+    assert p.stderr.strip().splitlines() == [f"error: unknown module 'reimpl.nope' (known: {', '.join(MODULES)})"]

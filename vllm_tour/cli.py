@@ -14,6 +14,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from .compare.components import COMPONENTS
+from .compare.modules import MODULES as COMPARE_MODULES
 from .errors import TourError
 
 app = typer.Typer(
@@ -248,7 +250,7 @@ def export(
 
 @app.command()
 def compare(
-    module: str = typer.Argument(..., help="reimpl.paged_attn, reimpl.chunked_prefill or reimpl.triton_attn (the mini engine with the Triton kernel; interpreted on CPU)."),
+    module: str = typer.Argument(..., help=f"One of {', '.join(COMPARE_MODULES)} (the Triton kernel is interpreted on CPU)."),
     scenario: Optional[Path] = typer.Option(None, "--scenario", help="Scenario TOML to compare on."),
     all_scenarios: bool = typer.Option(False, "--all-scenarios", help="Every scenario in traces/scenarios/ the reimpl can run."),
     explain: bool = typer.Option(False, "--explain", help="At the first divergence, print both sides' state (queues, budgets, block tables)."),
@@ -257,11 +259,13 @@ def compare(
     atol: Optional[float] = typer.Option(None, help="Tensor tolerance: |reimpl - upstream| <= atol + rtol*|upstream|. "
                                          "Default: by upstream's platform/backend (fp32: 1e-5; CUDA Triton attention, TF32 dots: 1e-2)."),
     rtol: Optional[float] = typer.Option(None, help="See --atol."),
+    impl: list[str] = typer.Option([], "--impl", help="COMPONENT=FILE.py[:Name]: your own class/function for a component "
+                                   f"({', '.join(COMPONENTS)}); the rest stays the reference. Repeatable."),
 ):
     """Run upstream (probes) and the reimpl on a scenario; diff tokens, per-step decisions, tensors. Exit 0 clean, 1 diverged, 2 could not run."""
     from .compare.command import run_compare
 
-    code = run_compare(module, scenario, all_scenarios, explain, json_out, fresh, atol, rtol, console)
+    code = run_compare(module, scenario, all_scenarios, explain, json_out, fresh, atol, rtol, console, impl)
     raise typer.Exit(code)
 
 

@@ -10,13 +10,23 @@ from rich.markup import escape
 
 from ..errors import TourError
 from ..trace.writer import write_json_atomic
-from . import diffs, harness, report
+from . import harness, report
+from .components import parse_impl
+from .reimpl_side import engine_components
 
 
 def run_compare(module: str, scenario: Path | None, all_scenarios: bool, explain: bool, json_out: Path | None,
-                fresh: bool, atol: float | None, rtol: float | None, console: Console) -> int:
-    """0: every scenario clean; 1: some diverged; 2 (TourError): could not run."""
+                fresh: bool, atol: float | None, rtol: float | None, console: Console, impl_options: list[str] = ()) -> int:
+    """0: every scenario clean; 1: some diverged; 2 (TourError): could not run.
+
+    impl_options: "COMPONENT=FILE.py[:Name]" each; every file is checked before any engine starts."""
     harness.check_module(module)
+    impl: dict[str, str] = {}
+    for component, spec in map(parse_impl, impl_options):
+        if component in impl:
+            raise TourError(f"--impl {component} given twice ({impl[component]}, {spec})")
+        impl[component] = spec
+    engine_components(module, impl)
     paths = harness.scenario_paths(all_scenarios, scenario)
     from ..scenario import load_scenario
 
@@ -33,7 +43,7 @@ def run_compare(module: str, scenario: Path | None, all_scenarios: bool, explain
             continue
         console.print(f"[dim]{module} · {sc.name}: running upstream (cached per scenario) and reimpl…[/]")
         try:
-            r = harness.compare(module, path, fresh=fresh, explain=explain, atol=atol, rtol=rtol)
+            r = harness.compare(module, path, fresh=fresh, explain=explain, atol=atol, rtol=rtol, impl=impl)
         except TourError as e:
             if not all_scenarios:
                 raise
@@ -47,6 +57,7 @@ def run_compare(module: str, scenario: Path | None, all_scenarios: bool, explain
 
     summary = {
         "module": module,
+        "impl": impl,
         "status": "could_not_run" if failed else ("clean" if all(r.clean for r in results) else "diverged"),
         "tolerance": ({"atol": atol, "rtol": rtol} if atol is not None or rtol is not None
                       else {"auto": "per scenario, by upstream's dtype and attention backend (see each scenario's tolerance)"}),
@@ -82,6 +93,3 @@ def run_compare(module: str, scenario: Path | None, all_scenarios: bool, explain
     if not results:
         raise TourError("no scenario could be compared (all skipped)")
     return 0 if all(r.clean for r in results) else 1
-
-
-DEFAULT_ATOL, DEFAULT_RTOL = diffs.ATOL, diffs.RTOL  # fp32; harness.compare picks per upstream backend when not given

@@ -267,15 +267,6 @@ def _diff_value(prefix: str, up: Any, re_: Any, step: int, out: list[Divergence]
         out.append(Divergence("decision", step, prefix, up, re_, req_id, msg))
 
 
-SECTIONS = {
-    # what each compared module is judged on (all share tokens)
-    "reimpl.chunked_prefill": ("scheduler", "kv", "runner"),
-    "reimpl.paged_attn": ("scheduler", "kv", "runner", "attention"),
-    # the mini engine with reimpl/triton_attn.py's kernel as its attention
-    "reimpl.triton_attn": ("scheduler", "kv", "runner", "attention"),
-}
-
-
 def attention_view(rec: dict | None, runner: dict | None) -> dict:
     if rec is None or runner is None:
         return {}

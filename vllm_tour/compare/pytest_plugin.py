@@ -3,9 +3,8 @@
 Enable in a conftest.py:   pytest_plugins = ["vllm_tour.compare.pytest_plugin"]
 or on the command line:    pytest -p vllm_tour.compare.pytest_plugin
 
-    def test_my_scheduler(compare_upstream, monkeypatch):
-        monkeypatch.setattr("reimpl.chunked_prefill.Scheduler.chunk", my_chunk)
-        result = compare_upstream("reimpl.chunked_prefill", "traces/scenarios/cmp_chunked.toml")
+    def test_my_scheduler(compare_upstream):
+        result = compare_upstream("reimpl.chunked_prefill", "cmp_chunked", impl={"scheduler": "labs/my_sched.py"})
         assert_matches_upstream(result)
 
     def test_my_numbers(upstream_run):
@@ -13,8 +12,9 @@ or on the command line:    pytest -p vllm_tour.compare.pytest_plugin
         assert run.steps[5]["scheduler"]["preempted"][0]["req_id"] == "c"
 
 Upstream runs once per scenario per session (and is cached on disk by
-scenario content, see harness.upstream_run_for); the reimpl runs in-process,
-so monkeypatching it works.
+scenario content, see upstream.upstream_run_for); the reimpl runs in-process.
+`impl` takes the same components as `vllm-tour compare --impl` (components.COMPONENTS),
+as "FILE.py[:Name]" or as the class/function itself.
 """
 
 from __future__ import annotations
@@ -25,7 +25,9 @@ from pathlib import Path
 import pytest
 
 from . import harness
-from .harness import CompareResult
+from .reimpl_side import engine_components
+from .result import CompareResult
+from .upstream import load_capture, load_upstream, upstream_run_for
 
 
 @dataclass
@@ -42,7 +44,7 @@ class UpstreamRun:
         """A captured tensor (e.g. "attn_out.layers.0") of one step, as saved by upstream."""
         for rec in self.steps.get(step, {}).get("captures", []):
             if rec["name"] == name:
-                return harness.load_capture(self.run_dir, rec)
+                return load_capture(self.run_dir, rec)
         raise KeyError(f"no capture {name!r} at step {step} in {self.run_dir}")
 
 
@@ -65,9 +67,8 @@ def upstream_run():
         path = _resolve(scenario).resolve()
         if path not in cache:
             sc = load_scenario(path)
-            run_dir = harness.upstream_run_for(sc)
-            meta, outputs, steps = harness.load_upstream(run_dir)
-            cache[path] = UpstreamRun(sc, run_dir, meta, outputs, steps)
+            up = load_upstream(upstream_run_for(sc))
+            cache[path] = UpstreamRun(sc, up.run_dir, up.meta, up.outputs, up.steps)
         return cache[path]
 
     return get
@@ -75,11 +76,12 @@ def upstream_run():
 
 @pytest.fixture
 def compare_upstream(upstream_run):
-    """compare_upstream(module, scenario, **kw) -> CompareResult, reusing the session's upstream runs."""
+    """compare_upstream(module, scenario, impl={...}, **kw) -> CompareResult, reusing the session's upstream runs."""
 
-    def run(module: str, scenario: str | Path, **kw) -> CompareResult:
+    def run(module: str, scenario: str | Path, impl: dict | None = None, **kw) -> CompareResult:
+        engine_components(module, impl)  # a broken impl fails here, before upstream may have to run
         up = upstream_run(scenario)
-        return harness.compare(module, _resolve(scenario), upstream_run=up.run_dir, **kw)
+        return harness.compare(module, _resolve(scenario), upstream_run=up.run_dir, impl=impl, **kw)
 
     return run
 

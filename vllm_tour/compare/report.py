@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from .harness import CompareResult
+from .result import CompareResult
 
 
 def _short(v, n: int = 90) -> str:

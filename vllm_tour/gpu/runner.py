@@ -47,6 +47,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..compare.modules import MODULES as COMPARE_MODULES
 from ..compare.tokens import first_difference, logprobs_close
 
 REPO = Path(__file__).resolve().parents[2]
@@ -54,7 +55,7 @@ DEFAULT_PIN = "v0.21.0"
 TRACE_SCENARIOS = ("single", "concurrent8", "chunked_prefill", "preemption", "shared_prefix")
 COMPARE_SCENARIOS = ("cmp_single", "cmp_chunked", "cmp_preempt", "cmp_shared_prefix",
                      "cmp_single_bf16", "cmp_chunked_bf16", "cmp_preempt_bf16")
-MODULES = ("reimpl.paged_attn", "reimpl.chunked_prefill", "reimpl.triton_attn")
+MODULES = tuple(COMPARE_MODULES)
 STEPS = ("doctor", "race", "trace", "compare", "tokens", "pack")  # the race first: the one figure that needs minutes
 # Seconds each step is given at most (the overall deadline may give less).
 STEP_LIMITS = {"doctor": 60, "trace": 240, "compare": 150, "tokens": 150, "race": 420, "pack": 30}

@@ -1,0 +1,60 @@
+"""The compare modules: which components each one runs in the reference engine, and what it is judged on.
+
+This is the one place a module name is written. Standard library only: the GPU runner
+(vllm_tour/gpu/runner.py) reads it on a machine without pydantic.
+
+Every module is judged on tokens. `sections` are the per-step records compared besides
+(scheduler decisions, KV state, runner inputs, attention metadata), `captures` the
+tensors compared per layer (none: not judged on tensors).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import TourError
+
+# The reference engine's components (vllm_tour/compare/components.py has their interfaces).
+REFERENCE = {
+    "block_pool": "reimpl.block_pool:BlockPool",
+    "kv_cache_manager": "reimpl.kv_cache_manager:KVCacheManager",
+    "scheduler": "reimpl.chunked_prefill:Scheduler",
+    "paged_attention": "reimpl.paged_attn:paged_attention",
+}
+
+
+@dataclass(frozen=True)
+class CompareModule:
+    name: str
+    summary: str
+    components: dict[str, str]  # component -> the reference object it runs ("module:name")
+    sections: tuple[str, ...]  # per-step records judged: scheduler, kv, runner, attention
+    captures: tuple[str, ...] = ()  # tensors judged, per layer: attn_out, kv_blocks
+    triton: bool = False  # a Triton kernel: compiled on a GPU, the Triton interpreter without one
+    needs_gpu: bool = False
+    world_size: int = 1
+
+
+MODULES: dict[str, CompareModule] = {m.name: m for m in (
+    CompareModule(
+        "reimpl.paged_attn", "paged KV cache and attention: block pool, KV-cache manager, attention over block tables",
+        components=dict(REFERENCE),
+        sections=("scheduler", "kv", "runner", "attention"), captures=("attn_out", "kv_blocks")),
+    CompareModule(
+        "reimpl.chunked_prefill", "the scheduler: token budget, chunked prefill, preemption",
+        components=dict(REFERENCE),
+        sections=("scheduler", "kv", "runner")),
+    CompareModule(
+        "reimpl.triton_attn", "the mini engine with reimpl/triton_attn.py's Triton kernel as its attention",
+        components={**REFERENCE, "paged_attention": "reimpl.triton_attn:engine_attention"},
+        sections=("scheduler", "kv", "runner", "attention"), captures=("attn_out", "kv_blocks"), triton=True),
+)}
+
+# What upstream is asked to capture: every module's tensors, so that one upstream run serves them all.
+CAPTURES = tuple(dict.fromkeys(c for m in MODULES.values() for c in m.captures))
+
+
+def get_module(name: str) -> CompareModule:
+    if name not in MODULES:
+        raise TourError(f"unknown module {name!r} (known: {', '.join(MODULES)})")
+    return MODULES[name]

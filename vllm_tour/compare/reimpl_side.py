@@ -1,0 +1,179 @@
+"""The reimpl side of a comparison: the reference engine built from a module's components (a learner's
+own where `impl` names them), run with upstream's effective settings."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Callable
+
+from ..errors import TourError
+from .components import check_impl, load_impl
+from .modules import get_module
+from .tokens import TOP_K
+from .upstream import DTYPES, UpstreamRecords
+
+# Reimpl policy switches per upstream pin: where upstream's behaviour changed
+# between pins, the reimpl follows the pin of the run it is compared against.
+# Keys are EngineConfig fields; a pin not listed gets the reimpl's defaults (v0.32.0).
+PIN_POLICIES: dict[str, dict] = {
+    # v0.21.0 BlockPool.free_blocks appends every freed block to the free queue;
+    # v0.32.0 prepends the ones without a hash (vllm/v1/core/block_pool.py).
+    "v0.21.0": {"free_policy": "append_all"},
+}
+
+
+def pin_policies(pin: str | None) -> dict:
+    return dict(PIN_POLICIES.get(pin or "", {}))
+
+
+def applicable(scenario) -> str | None:
+    """Why the reimpl cannot run this scenario, or None if it can."""
+    if scenario.engine.tensor_parallel_size != 1:
+        return f"tensor_parallel_size={scenario.engine.tensor_parallel_size} (the reimpl engine is single-device)"
+    if "moe" in scenario.model.lower():
+        return f"model {scenario.model} is MoE (reimpl/qwen3.py is the dense Qwen3)"
+    if scenario.engine.dtype not in DTYPES:
+        return f"dtype {scenario.engine.dtype} (the reimpl runs float32 or bfloat16)"
+    return None
+
+
+def check_module(module: str) -> None:
+    if get_module(module).triton:
+        _use_triton_interpreter_without_gpu(module)
+    try:
+        importlib.import_module(module)
+    except Exception as e:  # a learner's broken module: could not run
+        raise TourError(f"cannot import {module}: {type(e).__name__}: {e}") from None
+
+
+def _use_triton_interpreter_without_gpu(module: str) -> None:
+    """Triton reads TRITON_INTERPRET when a kernel is decorated, i.e. at import:
+    set it before the kernel's module is first imported. vLLM's CPU engine runs
+    no Triton kernel, so the upstream side is unaffected."""
+    import torch
+
+    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    if "triton" in sys.modules:  # Triton fixes its mode when first imported
+        raise TourError(f"{module} needs the Triton interpreter on a machine without a GPU, but Triton "
+                        "was already imported in this process without it: set TRITON_INTERPRET=1 before Python "
+                        "starts (the vllm-tour command does this itself)")
+    os.environ["TRITON_INTERPRET"] = "1"
+
+
+def engine_components(module: str, impl: dict[str, str | object] | None = None) -> dict[str, object]:
+    """{component: class or function} for the reference engine: the module's references, with the learner's
+    objects from `impl` (a "FILE.py[:Name]" spec, or the object itself) in their place, each checked."""
+    m = get_module(module)
+    for name in impl or {}:
+        if name not in m.components:
+            raise TourError(f"--impl {name}: {module} has no component {name!r} (its components: "
+                            f"{', '.join(m.components)})")
+    parts = {}
+    for name, ref in m.components.items():
+        given = (impl or {}).get(name)
+        if isinstance(given, str):
+            parts[name] = load_impl(name, given)
+        elif given is not None:
+            check_impl(name, given)
+            parts[name] = given
+        else:
+            mod, obj = ref.split(":")
+            parts[name] = getattr(importlib.import_module(mod), obj)
+    if m.triton:
+        import torch
+
+        if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+            parts["paged_attention"] = _on_gpu(parts["paged_attention"])
+    return parts
+
+
+def _on_gpu(attention: Callable) -> Callable:
+    """The mini engine keeps its tensors on the CPU; a compiled Triton kernel needs them on the GPU.
+    K/V are written into the engine's (CPU) cache as usual, the cache and the queries go to the GPU
+    for the kernel, and the output comes back: the engine, its captures and its decisions are unchanged."""
+    from types import SimpleNamespace
+
+    def attend(q, k_new, v_new, cache, meta):
+        cache.write(k_new, v_new, meta.slot_mapping)
+        on_gpu = SimpleNamespace(k=cache.k.cuda(), v=cache.v.cuda(), write=lambda *_: None)
+        return attention(q.cuda(), k_new, v_new, on_gpu, meta).cpu()
+
+    return attend
+
+
+def _eos_token_id(model_dir: Path) -> int | None:
+    for name in ("generation_config.json", "config.json"):
+        try:
+            eos = json.loads((model_dir / name).read_text()).get("eos_token_id")
+        except (OSError, ValueError):
+            continue
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        if eos is not None:
+            return int(eos)
+    return None
+
+
+def run_reimpl(scenario, up: UpstreamRecords, components: dict[str, object], engine_factory: Callable | None = None,
+               capture: tuple[str, ...] = (), on_step=None, dtype: str = "float32"):
+    """Run the reimpl mini engine with upstream's effective settings; returns (engine, results, notes).
+
+    capture: the tensor kinds to capture per layer (the module's captures, or none).
+    In bf16 every request runs on upstream's tokens (teacher forcing) while the engine records its own
+    greedy token and top-k at each position: up to the first difference that is the same as running
+    free, and after it decisions and tensors stay comparable (see tokens.logprobs_close)."""
+    from reimpl.engine import Engine, EngineConfig, RequestIn
+
+    notes: list[str] = []
+    first = up.steps[min(up.steps)] if up.steps else {}
+    sched, kv = first.get("scheduler"), first.get("kv")
+    if sched is None or kv is None:
+        raise TourError("the upstream run has no scheduler/KV records: were probes installed?")
+    args = up.meta["engine_args"]
+    model_dir = Path(up.meta["model_path"])
+    cfg = EngineConfig(
+        model_dir=str(model_dir),
+        block_size=kv["block_size"],
+        num_blocks=kv["num_blocks"] + 1,  # records count usable blocks; + the null block
+        max_num_batched_tokens=sched["token_budget"],
+        max_num_seqs=sched["max_num_seqs"],
+        max_model_len=args.get("max_model_len") or scenario.engine.max_model_len,
+        enable_prefix_caching=bool(kv["prefix_caching"]),
+        dtype=dtype,
+        **pin_policies(up.meta.get("pin")),
+    )
+    for k, v in pin_policies(up.meta.get("pin")).items():
+        notes.append(f"reimpl policy for pin {up.meta.get('pin')}: {k}={v}")
+    eos = _eos_token_id(model_dir)
+    by_id = {r.id: r for r in scenario.requests}
+    requests = []
+    for r in up.meta["requests"]:
+        # runs recorded before meta carried ignore_eos take it from the scenario
+        ignore_eos = r.get("ignore_eos")
+        if ignore_eos is None:
+            spec = by_id.get(r["req_id"])
+            ignore_eos = bool(spec.ignore_eos) if spec else False
+        requests.append(RequestIn(r["req_id"], list(r["prompt_token_ids"]), r["max_tokens"], r.get("temperature") or 0.0,
+                                  r.get("seed"), r.get("arrival_step") or 0, None if ignore_eos else eos))
+    engine = engine_factory(cfg) if engine_factory else Engine(cfg, **components)
+    for r in requests:
+        if r.temperature > 0:
+            engine.forced[r.req_id] = list(up.outputs.get(r.req_id, []))
+            notes.append(f"{r.req_id}: temperature {r.temperature} -> upstream's tokens are forced (CPU sampling noise "
+                         "comes from a C++ op, fused_gumbel_argmax); its tokens are not compared")
+        elif dtype != "float32":
+            engine.forced[r.req_id] = list(up.outputs.get(r.req_id, []))
+    if dtype != "float32":
+        engine.record_topk = TOP_K
+    names = tuple(f"{c}.layers.{i}" for c in capture for i in range(engine.model.num_layers))
+    try:
+        results = engine.run(requests, capture=names, on_step=on_step)
+    except Exception as e:
+        e._engine = engine  # the harness still diffs the steps that ran
+        raise
+    return engine, results, notes

