@@ -1,4 +1,5 @@
-"""`vllm-tour lab check`: a lab filled with the reference passes against upstream; a planted bug fails naming the step."""
+"""`vllm-tour lab check`: a lab filled with the reference is clean against upstream; a planted bug fails,
+naming the step and field."""
 
 import ast
 import re
@@ -72,7 +73,7 @@ def test_lab_filled_with_the_reference_is_clean(tmp_path, upstream_run, componen
 PLANTED = {
     # free blocks taken from the back of the queue instead of its front
     "block_pool": ((r"self\._q\.popitem\(last=False\)", "self._q.popitem(last=True)"),
-                   "cmp_evict: DIVERGED at step 1, field kv."),
+                   "cmp_evict: DIVERGED at step 1, field kv.block_tables[x]: upstream [1, 2, 3]"),
     # a finished request's blocks freed head first: its head, not its tail, is evicted first
     "kv_cache_manager": ((r"free_blocks\(list\(reversed\(blocks\)\)\)", "free_blocks(list(blocks))"),
                          "cmp_evict: DIVERGED at step 4, field kv.block_tables[z]"),

@@ -54,7 +54,8 @@ def test_skeleton_has_the_references_signatures_and_no_bodies(component):
 
 
 def test_docstrings_cite_notes_by_id_and_upstream_by_name():
-    doc = ast.get_docstring(_defs(ast.parse(skeleton_source(LABS["block_pool"])), ("BlockPool",))["BlockPool.free_blocks"])
+    pool = _defs(ast.parse(skeleton_source(LABS["block_pool"])), ("BlockPool",))
+    doc = ast.get_docstring(pool["BlockPool.free_blocks"])
     assert "Upstream: `vllm.v1.core.block_pool.BlockPool.free_blocks`." in doc
     assert "Note pool-free-order: Freed blocks are split by value." in doc
     assert "vllm-tour source vllm.v1.core.block_pool.BlockPool.free_blocks" in doc

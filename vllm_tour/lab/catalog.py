@@ -1,21 +1,21 @@
 """The labs on offer: which reference file each skeleton comes from and what the learner writes.
 
 A method's `reads` are annotation note ids (annotations/*.toml; `vllm-tour source` shows them
-in place) or, where no note covers it, the upstream qualified name it mirrors. A method with
-neither gets a `hint`. Every stubbed method and class has an entry (tests check this, and that
-every note id and name resolves).
+in place) or, where no note covers it, the upstream qualified name it mirrors; `hints` are for
+methods upstream has no counterpart of. A stub ends up with neither a docstring of its own nor
+any of these only by mistake: skeleton.py refuses it, and a test resolves every id and name.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..compare.modules import REFERENCE
+
 
 @dataclass(frozen=True)
 class Lab:
-    component: str  # the name `compare --impl COMPONENT=...` knows
-    reference: str  # file under the repository root
-    entry: str  # the class or function the lab file must define
+    component: str  # the name `compare --impl COMPONENT=...` knows (compare/modules.py REFERENCE)
     module: str  # the compare module its checks run
     scenarios: tuple[str, ...]  # traces/scenarios/<name>.toml, chosen to exercise the component
     stub: tuple[str, ...]  # top-level classes/functions whose bodies the learner writes
@@ -25,11 +25,19 @@ class Lab:
     reads: dict[str, tuple[str, ...]] = field(default_factory=dict)
     hints: dict[str, str] = field(default_factory=dict)
 
+    @property
+    def entry(self) -> str:
+        """The class or function the lab file must define (the reference's name)."""
+        return REFERENCE[self.component].split(":")[1]
+
+    @property
+    def reference(self) -> str:
+        """The reference file, relative to the repository root."""
+        return REFERENCE[self.component].split(":")[0].replace(".", "/") + ".py"
+
 
 BLOCK_POOL = Lab(
     component="block_pool",
-    reference="reimpl/block_pool.py",
-    entry="BlockPool",
     module="reimpl.paged_attn",
     scenarios=("cmp_evict", "cmp_shared_prefix"),
     stub=("FreeBlockQueue", "BlockPool"),
@@ -61,8 +69,6 @@ BLOCK_POOL = Lab(
 
 KV_CACHE_MANAGER = Lab(
     component="kv_cache_manager",
-    reference="reimpl/kv_cache_manager.py",
-    entry="KVCacheManager",
     module="reimpl.paged_attn",
     scenarios=("cmp_evict", "cmp_shared_prefix", "cmp_preempt"),
     stub=("KVCacheManager",),
@@ -85,8 +91,6 @@ KV_CACHE_MANAGER = Lab(
 
 SCHEDULER = Lab(
     component="scheduler",
-    reference="reimpl/chunked_prefill.py",
-    entry="Scheduler",
     module="reimpl.chunked_prefill",
     scenarios=("cmp_chunked", "cmp_preempt"),
     stub=("Scheduler",),
@@ -115,8 +119,6 @@ SCHEDULER = Lab(
 
 PAGED_ATTENTION = Lab(
     component="paged_attention",
-    reference="reimpl/paged_attn.py",
-    entry="paged_attention",
     module="reimpl.paged_attn",
     scenarios=("cmp_single", "cmp_concurrent"),
     stub=("paged_attention",),

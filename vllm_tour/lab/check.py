@@ -12,6 +12,7 @@ from ..errors import TourError
 from .labdir import LabDir, read_lab
 
 MAX_NAMED = 4  # unwritten bodies named in the error line; the rest are counted
+MODEL_OUTPUT = "runner.sampled_token_ids"  # a decision field computed from the step's tensors
 VALUE_CHARS = 120  # of each side's value in the summary line (the report above shows them whole)
 
 
@@ -51,14 +52,13 @@ def check_lab(directory: Path, console: Console, fresh: bool = False) -> int:
         raise TourError(f"lab {lab.lab.component}: {len(todo)} bodies in {lab.file} still raise NotImplementedError "
                         f"(not written yet: {named}); write them, then run `vllm-tour lab check {lab.path}` again")
     from ..compare import harness, report
-    from ..compare.components import load_impl
 
     component, spec = lab.impl.split("=", 1)
-    load_impl(component, spec)  # the interface, checked before any engine starts
     results = []
     for scenario in lab.scenarios:
         console.print(f"[dim]lab {lab.lab.component} · {scenario.stem}: upstream (cached per scenario) vs "
                       f"{escape(lab.module)} with your {escape(lab.lab.entry)}…[/]")
+        # compare checks the file's interface before any engine starts (TourError: one line, exit 2)
         result = harness.compare(lab.module, scenario, impl={component: spec}, explain=True, fresh=fresh)
         report.render(result, console, explain=True)
         results.append(result)
@@ -78,13 +78,16 @@ def summary(lab: LabDir, results: list) -> list[str]:
 
 
 def first_difference(result) -> str | None:
-    """The earliest difference at a known step: a decision, else a tensor out of tolerance, else tokens."""
+    """The earliest difference: a decision or a tensor out of tolerance, whichever comes first in the
+    engine's order (within a step: decisions, then the model's tensors, then the tokens sampled from
+    them), else the tokens."""
     if result.clean:
         return None
     first = result.first
     stepped = first if first is not None and first.step is not None else None
     bad = min(result.bad_tensors, key=lambda t: t.step, default=None)
-    if stepped is not None and (bad is None or stepped.step <= bad.step):
+    if stepped is not None and (bad is None or stepped.step < bad.step
+                                or (stepped.step == bad.step and not stepped.field.startswith(MODEL_OUTPUT))):
         return (f"at step {stepped.step}, field {stepped.field}: upstream {_short(stepped.upstream)}, "
                 f"yours {_short(stepped.reimpl)}")
     if bad is not None:

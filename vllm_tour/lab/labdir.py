@@ -56,7 +56,8 @@ def read_lab(directory: Path) -> LabDir:
     directory = Path(directory).resolve()
     toml = directory / LAB_TOML
     if not toml.is_file():
-        raise TourError(f"{directory} is not a lab (no {LAB_TOML}): make one with `vllm-tour lab new COMPONENT {directory}`")
+        raise TourError(f"{directory} is not a lab (no {LAB_TOML}): "
+                        f"make one with `vllm-tour lab new COMPONENT {directory}`")
     try:
         data = tomllib.loads(toml.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as e:

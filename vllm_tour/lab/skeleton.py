@@ -18,6 +18,7 @@ from pathlib import Path
 
 import libcst as cst
 
+from ..compare.components import COMPONENTS
 from ..errors import TourError
 from ..paths import REPO_ROOT
 from ..source.annotations import Note, all_notes, load_all
@@ -34,58 +35,17 @@ def skeleton_source(lab: Lab) -> str:
     notes = {n.id: n for n in all_notes(load_all())}
     package = lab.reference.rsplit("/", 1)[0].replace("/", ".")
     body, seen = _rewrite(module, lab, notes, package)
-    missing = (set(lab.stub) | set(lab.from_reference)) - seen  # (dropped imports are not top-level names)
+    missing = (set(lab.stub) | set(lab.from_reference)) - seen
     if missing:
         raise TourError(f"{lab.reference} defines no {', '.join(sorted(missing))} (lab catalog out of date)")
     if lab.from_reference:
         names = ", ".join(lab.from_reference)
         last_import = max(i for i, s in enumerate(body) if _is_import(s))
-        imp = cst.parse_statement(f"from {package}.{Path(lab.reference).stem} import {names}  # the engine's: use as is\n")
+        module_name = f"{package}.{Path(lab.reference).stem}"
+        imp = cst.parse_statement(f"from {module_name} import {names}  # the engine's own: use as is\n")
         body.insert(last_import + 1, imp.with_changes(leading_lines=[cst.EmptyLine()]))
     body.insert(0, _docstring(_intro(lab, module.get_docstring(clean=True)), ""))
     return module.with_changes(body=body).code
-
-
-def reads_text(lab: Lab, qualname: str, notes: dict[str, Note]) -> str:
-    """What upstream does and what to read, for one stubbed class/method docstring."""
-    lines: list[str] = []
-    by_symbol: dict[str, list[Note]] = {}
-    for ref in lab.reads.get(qualname, ()):
-        if ref.startswith("vllm."):
-            by_symbol.setdefault(ref, [])
-        elif ref in notes:
-            by_symbol.setdefault(notes[ref].symbol, []).append(notes[ref])
-        else:
-            raise TourError(f"lab {lab.component}: {qualname} cites note {ref!r}, which no annotations/*.toml defines")
-    for symbol, symbol_notes in by_symbol.items():
-        lines.append(f"Upstream: `{symbol}`.")
-        for n in symbol_notes:
-            lines += textwrap.wrap(f"Note {n.id}: {_first_sentences(n.en)}", 92, subsequent_indent="    ")
-        if symbol_notes:
-            lines.append(f"    (`vllm-tour source {symbol}` shows the code with {'this note' if len(symbol_notes) == 1 else 'these notes'} in place.)")
-    hint = lab.hints.get(qualname)
-    if hint:
-        lines += textwrap.wrap(hint, 96)
-    return "\n".join(lines)
-
-
-def _first_sentences(markdown: str) -> str:
-    text = " ".join(markdown.split())
-    cut = re.search(r"(?<=\.)\s", text[60:])  # the first sentence, or two if the first is short
-    text = text[: 60 + cut.start()] if cut else text
-    return text if len(text) <= NOTE_HINT_CHARS else text[: NOTE_HINT_CHARS - 1] + "…"
-
-
-def _docstring(text: str, indent: str) -> cst.SimpleStatementLine:
-    text = text.strip().replace("\\", "\\\\").replace('"""', '\\"\\"\\"')
-    body = text.replace("\n", "\n" + indent) if "\n" in text else text
-    closing = f"\n{indent}" if "\n" in text else ""
-    body = "\n".join(line.rstrip() for line in body.split("\n"))
-    return cst.SimpleStatementLine([cst.Expr(cst.SimpleString(f'"""{body}{closing}"""'))])
-
-
-def _join(*parts: str | None) -> str:
-    return "\n\n".join(p.strip() for p in parts if p and p.strip())
 
 
 def _rewrite(module: cst.Module, lab: Lab, notes: dict[str, Note], package: str) -> tuple[list, set[str]]:
@@ -134,7 +94,7 @@ def _stub_class(cls: cst.ClassDef, lab: Lab, notes: dict[str, Note]) -> cst.Clas
         body = body[1:]
     body = [_stub_function(s, f"{name}.{s.name.value}", lab, notes, "    ") if isinstance(s, cst.FunctionDef) else s
             for s in body]
-    doc = _join(cls.get_docstring(clean=True), reads_text(lab, name, notes))
+    doc = _join(cls.get_docstring(clean=True), _reads(lab, name, notes))
     if doc:
         if body and not body[0].leading_lines:
             body[0] = body[0].with_changes(leading_lines=[cst.EmptyLine()])
@@ -142,8 +102,9 @@ def _stub_class(cls: cst.ClassDef, lab: Lab, notes: dict[str, Note]) -> cst.Clas
     return cls.with_changes(body=cls.body.with_changes(body=body))
 
 
-def _stub_function(fn: cst.FunctionDef, qualname: str, lab: Lab, notes: dict[str, Note], indent: str) -> cst.FunctionDef:
-    doc = _join(fn.get_docstring(clean=True), reads_text(lab, qualname, notes))
+def _stub_function(fn: cst.FunctionDef, qualname: str, lab: Lab, notes: dict[str, Note],
+                   indent: str) -> cst.FunctionDef:
+    doc = _join(fn.get_docstring(clean=True), _reads(lab, qualname, notes))
     if not doc:
         raise TourError(f"lab {lab.component}: {qualname} has no docstring, note or hint (lab catalog)")
     raise_ = cst.parse_statement(f'raise NotImplementedError("{qualname}: {UNFILLED}")\n')
@@ -157,7 +118,53 @@ def _intro(lab: Lab, reference_doc: str | None) -> str:
              f"names and signatures, which the reference engine calls. Every body that raises\n"
              f"NotImplementedError (\"{UNFILLED}\") is yours to write; its docstring says what upstream\n"
              f"does and which annotated notes to read. Add helpers as you like; keep the names.")
-    return _join(intro, f"The reference's introduction:\n\n{reference_doc}" if reference_doc else None)
+    what = textwrap.fill(f"What upstream's counterpart does: {COMPONENTS[lab.component].doc}", 96,
+                         break_on_hyphens=False)
+    return _join(intro, what, f"The reference's introduction:\n\n{reference_doc}" if reference_doc else None)
+
+
+def _reads(lab: Lab, qualname: str, notes: dict[str, Note]) -> str:
+    """What upstream does and what to read, for one stubbed class/method docstring."""
+    lines: list[str] = []
+    by_symbol: dict[str, list[Note]] = {}
+    for ref in lab.reads.get(qualname, ()):
+        if ref.startswith("vllm."):
+            by_symbol.setdefault(ref, [])
+        elif ref in notes:
+            by_symbol.setdefault(notes[ref].symbol, []).append(notes[ref])
+        else:
+            raise TourError(f"lab {lab.component}: {qualname} cites note {ref!r}, "
+                            "which no annotations/*.toml defines")
+    for symbol, symbol_notes in by_symbol.items():
+        lines.append(f"Upstream: `{symbol}`.")
+        for n in symbol_notes:
+            lines += textwrap.wrap(f"Note {n.id}: {_first_sentences(n.en)}", 92, subsequent_indent="    ")
+        if symbol_notes:
+            these = "this note" if len(symbol_notes) == 1 else "these notes"
+            lines.append(f"    (`vllm-tour source {symbol}` shows the code with {these} in place.)")
+    hint = lab.hints.get(qualname)
+    if hint:
+        lines += textwrap.wrap(hint, 96)
+    return "\n".join(lines)
+
+
+def _first_sentences(markdown: str) -> str:
+    text = " ".join(markdown.split())
+    cut = re.search(r"(?<=\.)\s", text[60:])  # the first sentence, or two if the first is short
+    text = text[: 60 + cut.start()] if cut else text
+    return text if len(text) <= NOTE_HINT_CHARS else text[: NOTE_HINT_CHARS - 1] + "…"
+
+
+def _docstring(text: str, indent: str) -> cst.SimpleStatementLine:
+    text = text.strip().replace("\\", "\\\\").replace('"""', '\\"\\"\\"')
+    body = text.replace("\n", "\n" + indent) if "\n" in text else text
+    closing = f"\n{indent}" if "\n" in text else ""
+    body = "\n".join(line.rstrip() for line in body.split("\n"))
+    return cst.SimpleStatementLine([cst.Expr(cst.SimpleString(f'"""{body}{closing}"""'))])
+
+
+def _join(*parts: str | None) -> str:
+    return "\n\n".join(p.strip() for p in parts if p and p.strip())
 
 
 def _dotted(expr: cst.BaseExpression) -> str:
@@ -169,4 +176,5 @@ def _dotted(expr: cst.BaseExpression) -> str:
 
 
 def _is_import(stmt: cst.CSTNode) -> bool:
-    return isinstance(stmt, cst.SimpleStatementLine) and any(isinstance(s, (cst.Import, cst.ImportFrom)) for s in stmt.body)
+    return (isinstance(stmt, cst.SimpleStatementLine)
+            and any(isinstance(s, (cst.Import, cst.ImportFrom)) for s in stmt.body))
