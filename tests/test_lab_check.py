@@ -3,6 +3,7 @@ naming the step and field."""
 
 import ast
 import re
+import shlex
 from pathlib import Path
 
 import pytest
@@ -108,7 +109,7 @@ def test_scheduler_that_never_preempts_fails_at_the_first_preemption(tmp_path, u
     assert f"explain: state at step {first_preemption}" in out
 
 
-def test_cli_lab_check_exit_code_and_summary(tmp_path, upstream_run):
+def test_cli_lab_check_and_the_readmes_compare_command(tmp_path, upstream_run):
     d = make_lab(tmp_path, "kv_cache_manager", PLANTED["kv_cache_manager"][0])
     for name in LABS["kv_cache_manager"].scenarios:
         upstream_run(name)
@@ -116,3 +117,9 @@ def test_cli_lab_check_exit_code_and_summary(tmp_path, upstream_run):
     assert r.exit_code == 1, r.output
     assert "first divergence: step 4 · kv.block_tables[z]" in r.output
     assert "lab kv_cache_manager · cmp_evict: DIVERGED at step 4, field kv.block_tables[z]" in r.output
+
+    # the README's command for the first scenario, as a learner would paste it
+    command = re.search(r"^\.venv/bin/vllm-tour (compare .*?--explain)$", (d / "README.md").read_text(), re.M | re.S)
+    r = CliRunner().invoke(app, shlex.split(command.group(1).replace("\\\n", " ")), env={"COLUMNS": "200"})
+    assert r.exit_code == 1, r.output
+    assert "first divergence: step 4 · kv.block_tables[z]" in r.output and "explain: state at step 4" in r.output

@@ -52,13 +52,14 @@ def check_lab(directory: Path, console: Console, fresh: bool = False) -> int:
         raise TourError(f"lab {lab.lab.component}: {len(todo)} bodies in {lab.file} still raise NotImplementedError "
                         f"(not written yet: {named}); write them, then run `vllm-tour lab check {lab.path}` again")
     from ..compare import harness, report
+    from ..compare.reimpl_side import engine_components
 
     component, spec = lab.impl.split("=", 1)
+    engine_components(lab.module, {component: spec})  # the file's interface, before any engine starts
     results = []
     for scenario in lab.scenarios:
         console.print(f"[dim]lab {lab.lab.component} · {scenario.stem}: upstream (cached per scenario) vs "
                       f"{escape(lab.module)} with your {escape(lab.lab.entry)}…[/]")
-        # compare checks the file's interface before any engine starts (TourError: one line, exit 2)
         result = harness.compare(lab.module, scenario, impl={component: spec}, explain=True, fresh=fresh)
         report.render(result, console, explain=True)
         results.append(result)
