@@ -86,7 +86,7 @@ def test_new_writes_the_lab_and_check_names_what_is_unwritten(tmp_path):
     assert sorted(p.name for p in d.iterdir()) == ["README.md", "block_pool.py", "lab.toml"]
     readme = (d / "README.md").read_text()
     assert f"vllm-tour lab check {d}" in readme
-    assert (f"vllm-tour compare reimpl.paged_attn --impl block_pool={d}/block_pool.py:BlockPool \\\n"
+    assert (f"vllm-tour compare reimpl.chunked_prefill --impl block_pool={d}/block_pool.py:BlockPool \\\n"
             "    --scenario traces/scenarios/cmp_evict.toml --explain") in readme
     assert unwritten(d / "block_pool.py")[:2] == ["FreeBlockQueue.__init__", "FreeBlockQueue.__len__"]
 

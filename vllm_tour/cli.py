@@ -305,9 +305,10 @@ def lab_new(
     """Write a lab: a skeleton of the reference's interface to fill in, lab.toml and README.md (the commands)."""
     from .lab.new import new_lab
 
-    for path in new_lab(component, directory, force):
+    written = new_lab(component, directory, force)  # the lab file first
+    for path in written:
         console.print(f"wrote {path}")
-    console.print(f"next: fill in {directory}/{component}.py, then run `vllm-tour lab check {directory}`")
+    console.print(f"next: fill in {written[0]}, then run `vllm-tour lab check {directory}`")
 
 
 @lab_app.command("check")

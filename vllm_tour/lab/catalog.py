@@ -38,7 +38,7 @@ class Lab:
 
 BLOCK_POOL = Lab(
     component="block_pool",
-    module="reimpl.paged_attn",
+    module="reimpl.chunked_prefill",  # decisions are its whole effect: block tables, hits, evictions
     scenarios=("cmp_evict", "cmp_shared_prefix"),
     stub=("FreeBlockQueue", "BlockPool"),
     reads={
@@ -69,7 +69,7 @@ BLOCK_POOL = Lab(
 
 KV_CACHE_MANAGER = Lab(
     component="kv_cache_manager",
-    module="reimpl.paged_attn",
+    module="reimpl.chunked_prefill",  # decisions are its whole effect: block tables, hits, evictions
     scenarios=("cmp_evict", "cmp_shared_prefix", "cmp_preempt"),
     stub=("KVCacheManager",),
     reads={

@@ -49,18 +49,17 @@ def check_lab(directory: Path, console: Console, fresh: bool = False) -> int:
     todo = unwritten(lab.file)
     if todo:
         named = ", ".join(todo[:MAX_NAMED]) + (f" and {len(todo) - MAX_NAMED} more" if len(todo) > MAX_NAMED else "")
-        raise TourError(f"lab {lab.lab.component}: {len(todo)} bodies in {lab.file} still raise NotImplementedError "
+        raise TourError(f"lab {lab.component}: {len(todo)} bodies in {lab.file} still raise NotImplementedError "
                         f"(not written yet: {named}); write them, then run `vllm-tour lab check {lab.path}` again")
     from ..compare import harness, report
     from ..compare.reimpl_side import engine_components
 
-    component, spec = lab.impl.split("=", 1)
-    engine_components(lab.module, {component: spec})  # the file's interface, before any engine starts
+    engine_components(lab.module, lab.impl)  # the file's interface, before any engine starts
     results = []
     for scenario in lab.scenarios:
-        console.print(f"[dim]lab {lab.lab.component} · {scenario.stem}: upstream (cached per scenario) vs "
+        console.print(f"[dim]lab {lab.component} · {scenario.stem}: upstream (cached per scenario) vs "
                       f"{escape(lab.module)} with your {escape(lab.lab.entry)}…[/]")
-        result = harness.compare(lab.module, scenario, impl={component: spec}, explain=True, fresh=fresh)
+        result = harness.compare(lab.module, scenario, impl=lab.impl, explain=True, fresh=fresh)
         report.render(result, console, explain=True)
         results.append(result)
     for line in summary(lab, results):
@@ -72,7 +71,7 @@ def summary(lab: LabDir, results: list) -> list[str]:
     """One line per scenario: clean, or where it first diverged (step and field, or tensor and step)."""
     lines = []
     for r in results:
-        head = f"lab {lab.lab.component} · {r.scenario}:"
+        head = f"lab {lab.component} · {r.scenario}:"
         where = first_difference(r)
         lines.append(f"{head} [green]clean[/]" if where is None else f"{head} [red]DIVERGED[/] {escape(where)}")
     return lines

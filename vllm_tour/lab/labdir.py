@@ -22,9 +22,13 @@ class LabDir:
     scenarios: list[Path]
 
     @property
-    def impl(self) -> str:
-        """The `compare --impl` value: COMPONENT=FILE.py:Name."""
-        return f"{self.lab.component}={self.file}:{self.lab.entry}"
+    def component(self) -> str:
+        return self.lab.component
+
+    @property
+    def impl(self) -> dict[str, str]:
+        """What compare swaps in: {component: "FILE.py:Name"} (`--impl COMPONENT=FILE.py:Name`)."""
+        return {self.lab.component: f"{self.file}:{self.lab.entry}"}
 
 
 def lab_for(component: str) -> Lab:
