@@ -73,6 +73,16 @@ def test_every_cited_note_and_upstream_name_exists():
                 tree.resolve(symbol)  # NotFound: not in the pinned upstream source
 
 
+@pytest.mark.parametrize("component", list(LABS))
+def test_skeleton_cites_every_note_compares_registry_names(component):
+    from vllm_tour.compare.components import COMPONENTS
+
+    text = skeleton_source(LABS[component])
+    assert " ".join(COMPONENTS[component].doc.split()) in " ".join(text.split())  # what upstream's counterpart does
+    missing = [n for n in COMPONENTS[component].notes if f"Note {n}:" not in text]
+    assert not missing, f"the {component} skeleton never points the learner at {missing}"
+
+
 def test_paged_attention_takes_the_engines_types_from_the_reference():
     text = skeleton_source(LABS["paged_attention"])
     assert "from reimpl.paged_attn import slot_mapping, BatchMeta, PagedKVCache" in text

@@ -75,7 +75,7 @@ KV_CACHE_MANAGER = Lab(
     reads={
         "KVCacheManager": ("vllm.v1.core.kv_cache_manager.KVCacheManager",),
         "KVCacheManager.__init__": ("vllm.v1.core.kv_cache_manager.KVCacheManager.__init__",),
-        "KVCacheManager.register": ("kvm-hash-full-only", "kvm-request-hashes-grow"),
+        "KVCacheManager.register": ("kvm-hash-chain", "kvm-hash-full-only", "kvm-request-hashes-grow"),
         "KVCacheManager.get_computed_blocks": ("kvm-hit-cap", "kvm-find-longest", "kvm-longest-hit"),
         "KVCacheManager._num_blocks_to_allocate": (
             "vllm.v1.core.single_type_kv_cache_manager.SingleTypeKVCacheManager.get_num_blocks_to_allocate",),
@@ -125,7 +125,14 @@ PAGED_ATTENTION = Lab(
     from_reference=("slot_mapping", "BatchMeta", "PagedKVCache"),
     drop=("_gather_slots", "BlockPool", "KVCacheManager", "hash_block_tokens"),
     reads={
-        "paged_attention": ("attn-kv-write", "attn-kv-layout", "attn-read-block-table", "runner-slot-mapping"),
+        "paged_attention": ("attn-metadata-build", "attn-kv-write", "attn-kv-layout", "attn-read-block-table",
+                            "runner-slot-mapping"),
+    },
+    hints={
+        "paged_attention": "The paging is the lab: scatter K/V into cache.k / cache.v viewed as [num_blocks * "
+                           "block_size, kv_heads, head_dim] at meta.slot_mapping, and read each request's K/V back "
+                           "through meta.block_tables yourself. (PagedKVCache.write / .gather do both for you; use "
+                           "them only to compare.)",
     },
 )
 
