@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from ..paths import GOLDEN_DIR, SCENARIOS_DIR
-from .reader import Run, load_run
+from .reader import Run, load_run, read_records
 
 GOLDEN_SCENARIOS = ("single", "concurrent8", "shared_prefix", "preemption", "chunked_prefill", "tp2")
 _VOLATILE = {"time", "duration_s", "proc"}
@@ -77,7 +77,7 @@ def write_golden(run: Run, dest: Path, drop_capture_records: bool = False) -> Pa
     if dest.exists():
         shutil.rmtree(dest)
     dest.mkdir(parents=True)
-    meta = json.loads((run.path / "meta.json").read_text())
+    meta = run.meta.model_dump(mode="json")
     env = {k: v for k, v in (meta.get("env") or {}).items() if k in NUMERICS_ENV}  # they decide the numbers
     meta.update(started=0.0, finished=0.0, model_path="<cache>/" + Path(meta["model_path"]).name, env=env, platform={})
     if drop_capture_records and isinstance(meta.get("engine_args"), dict) and "capture" in meta["engine_args"]:
@@ -86,12 +86,11 @@ def write_golden(run: Run, dest: Path, drop_capture_records: bool = False) -> Pa
     shutil.copy(run.path / "outputs.json", dest / "outputs.json")
     lines = []
     for f in sorted(run.path.glob("records.*.jsonl")):
-        for line in f.read_text().splitlines():
-            rec = json.loads(line)
-            if drop_capture_records and rec.get("kind") == "capture":
+        for rec in (r.model_dump(mode="json") for r in read_records(f, [])):
+            if drop_capture_records and rec["kind"] == "capture":
                 continue
             rec["proc"]["pid"] = 0
-            if rec.get("kind") == "scheduler":
+            if rec["kind"] == "scheduler":
                 rec["time"], rec["duration_s"] = 0.0, 0.0
             lines.append(rec)
     order = {"scheduler": 0, "kv": 1, "attention": 2, "runner": 3, "capture": 4, "probe_error": 5}

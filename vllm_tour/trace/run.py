@@ -25,6 +25,7 @@ from typing import Callable
 
 from .. import __version__
 from ..errors import TourError
+from ..logprobs import default_logprobs
 from ..paths import RUNS_DIR
 from ..scenario import Scenario
 from .schema import Outputs, RequestOutput, RequestSpec, RunMeta
@@ -115,13 +116,6 @@ def engine_kwargs(scenario: Scenario, model_path: Path, pin: str | None = None) 
     return kw
 
 
-def default_logprobs(scenario: Scenario) -> int:
-    """Top-k logprobs to ask upstream for: in low precision compare needs them for vLLM's top-k token rule."""
-    from ..compare.tokens import TOP_K
-
-    return 0 if scenario.engine.dtype in ("float32", "float") else TOP_K
-
-
 def check_pin(tag: str):
     """The pin must exist and match the installed vLLM; TourError otherwise."""
     from ..pins import installed_vllm, load_pin
@@ -186,7 +180,7 @@ def run_upstream(
     tag = scenario.pin or active_pin_tag()
     check_pin(tag)
     names = _check_capture(capture)
-    logprobs = default_logprobs(scenario) if logprobs is None else logprobs
+    logprobs = default_logprobs(scenario.engine.dtype) if logprobs is None else logprobs
     if logprobs < 0:
         raise TourError(f"logprobs must be >= 0, got {logprobs}")
     model_path = resolve_model(scenario.model)
@@ -231,6 +225,7 @@ def run_upstream(
                 temperature=r.temperature,
                 seed=r.seed,
                 arrival_step=r.arrival_step,
+                ignore_eos=r.ignore_eos,
             )
             for r in scenario.requests
         ],

@@ -215,6 +215,7 @@ class RequestSpec(BaseModel):
     temperature: float = 0.0
     seed: int | None = None
     arrival_step: int = 0  # added before the driver's step with this index: 0 -> scheduled from step 1
+    ignore_eos: bool | None = None  # None: recorded before runs carried it (read it from the scenario)
 
 
 class RunMeta(BaseModel):
