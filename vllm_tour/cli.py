@@ -291,6 +291,37 @@ def repro(
     raise typer.Exit(0 if res.reproduced else 1)
 
 
+lab_app = typer.Typer(help="Labs: write one component yourself (from a skeleton of the reference) and diff it against upstream.",
+                      no_args_is_help=True)
+app.add_typer(lab_app, name="lab")
+
+
+@lab_app.command("new")
+def lab_new(
+    component: str = typer.Argument(..., help="block_pool, kv_cache_manager, scheduler or paged_attention."),
+    directory: Path = typer.Argument(..., help="Folder to write the lab into (new or empty)."),
+    force: bool = typer.Option(False, "--force", help="Write even into a non-empty folder, over an existing lab's files."),
+):
+    """Write a lab: a skeleton of the reference's interface to fill in, lab.toml and README.md (the commands)."""
+    from .lab.new import new_lab
+
+    written = new_lab(component, directory, force)  # the lab file first
+    for path in written:
+        console.print(f"wrote {path}")
+    console.print(f"next: fill in {written[0]}, then run `vllm-tour lab check {directory}`")
+
+
+@lab_app.command("check")
+def lab_check(
+    directory: Path = typer.Argument(..., help="A folder written by `vllm-tour lab new`."),
+    fresh: bool = typer.Option(False, "--fresh", help="Re-run upstream instead of reusing its cached run of each scenario."),
+):
+    """Compare the lab's file, swapped into the reference engine, with upstream on the lab's scenarios. Exit 0 clean, 1 diverged, 2 could not run."""
+    from .lab.check import check_lab
+
+    raise typer.Exit(check_lab(directory, console, fresh))
+
+
 def main() -> None:
     try:
         app()
