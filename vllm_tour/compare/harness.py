@@ -108,7 +108,7 @@ class CompareResult:
             "tokens_rule": self.tokens_rule,
             "tolerance": {"atol": self.tolerance.atol, "rtol": self.tolerance.rtol, "name": self.tolerance.name,
                           "reason": self.tolerance.reason, "upstream_attention_backend": self.upstream_backend,
-                          "rule": "|reimpl - upstream| <= atol + rtol * |upstream|",
+                          "rule": self.tolerance.rule,
                           "exact": (["tokens"] if self.dtype == "float32" else [])
                           + ["scheduler decisions", "block tables and pool events", "runner inputs and slot mapping"]},
             "tensor_summary": {"compared": len(self.tensors), "out_of_tolerance": len(self.bad_tensors),
@@ -503,7 +503,7 @@ def compare(module: str, scenario_path: Path | str, *, fresh: bool = False, upst
             divs += diffs.diff_step(crash.step, up_steps[crash.step], re_steps[crash.step],
                                     tuple(x for x in sections if x in ("scheduler", "kv")))
         divs.append(crash)
-    tstats = _diff_tensors(run_dir, up_steps, re_steps, re_tensors, atol, rtol) if tensors else []
+    tstats = diffs.pool_steps(_diff_tensors(run_dir, up_steps, re_steps, re_tensors, atol, rtol), tol) if tensors else []
 
     tokens = {rid: {"upstream": up_outputs.get(rid), "reimpl": re_outputs.get(rid), "forced": rid in forced}
               for rid in sorted(set(up_outputs) | set(re_outputs))}
