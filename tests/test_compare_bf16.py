@@ -79,6 +79,8 @@ def test_pooled_statistics_tell_a_scale_bug_from_rounding():
     big = diffs.pool_steps(_steps(1.0, 4.0), diffs.BF16)  # unbiased but 4 ulps everywhere: rel_rms, not gain
     assert [s.failed for s in big if s.step is None] == [["rel_rms"]]
     assert diffs.pool_steps(_steps(1.005, 0.0), diffs.FP32) == _steps(1.005, 0.0)
+    moved = diffs.TensorStat("kv_blocks.layers.0", 1, [2], float("inf"), float("inf"), 5e-2, 1e-2, False, "other blocks")
+    assert moved.failed == ["max_abs"] and diffs.pool_steps([moved], diffs.BF16) == [moved]  # nothing to pool
 
 
 # --- upstream in bf16 ------------------------------------------------------------------------

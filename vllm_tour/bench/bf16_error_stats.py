@@ -32,14 +32,15 @@ NORM_WEIGHT = "model.layers.0.input_layernorm.weight"
 def _with_attention(wrap):
     """An engine factory whose model's attention is wrap(model, attention)."""
     def factory(cfg, base=None):
-        eng = (base or (lambda c: Engine(c)))(cfg)
+        eng = (base or Engine)(cfg)
         eng.model.attention = wrap(eng.model, eng.model.attention)
         return eng
     return factory
 
 
 def _query_scaled(factor):
-    """Attention with the softmax scale times factor(model): q scaled in fp32 (the kernels upcast q first)."""
+    """Attention with the softmax scale times factor(model): q scaled in fp32, which paged_attention upcasts to
+    anyway (the Triton kernel would take q in fp32 against a bf16 cache: not used with it)."""
     def wrap(model, attention):
         f = factor(model)
         return lambda q, *a: attention(q.float() * f, *a).to(q.dtype)
@@ -55,7 +56,7 @@ def _query_rope_one_ahead(model, attention):
 def _norm_weight_scaled(factor: float):
     """The checkpoint's fp32 NORM_WEIGHT times factor, then rounded to the model dtype as upstream loads it."""
     def factory(cfg, base=None):
-        eng = (base or (lambda c: Engine(c)))(cfg)
+        eng = (base or Engine)(cfg)
         with safe_open(str(Path(cfg.model_dir) / "model.safetensors"), "pt") as f:
             eng.model.w[NORM_WEIGHT] = (f.get_tensor(NORM_WEIGHT) * factor).to(eng.model.dtype)
         return eng

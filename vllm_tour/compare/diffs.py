@@ -91,7 +91,8 @@ FP32_IEEE_DOTS = Tolerance(ATOL, RTOL, "fp32",
 #   correct reimpl.triton_attn (rounds P to bf16 as that path does): |gain| <= 2e-5, rel_rms <= 1.5e-3, max 1.6e-2.
 #   softmax scale x1.01: layer 0 gain 3.9e-3..4.4e-3; 1/sqrt(head_dim - 1): 3.1e-3..3.5e-3; input RMSNorm
 #     weight x1.005 (either layer): 7.3e-3..7.9e-3 on that layer's attention; q_norm weight x1.005: 2.9e-3..3.3e-3;
-#     all with max |Δ| <= 4e-2, inside the max rule, and decisions identical; layer 1 gain 1.2e-3..2.2e-3.
+#     all with max |Δ| <= 4e-2, inside the max rule, and decisions identical (scale and input-norm bugs: layer 1
+#     gain 1.2e-3..2.2e-3 too).
 #   RoPE of the queries one position ahead: rel_rms 0.19..0.22, max |Δ| 0.68..0.91.
 #   Against upstream CUDA (H200, Triton): max |Δ| 3.1e-2 for both modules (traces/gpu-results/20261130-*-bf16).
 # Limits: |gain| <= 2^-10 (u/4 = 9.8e-4): 7.5x the correct code's, and the smallest bug's is 3x above it;
@@ -153,6 +154,10 @@ class TensorStat:
     rel_rms: float = 0.0  # ||Δ|| / ||ref||
     ref_rms: float = 0.0  # ||ref|| / sqrt(numel)
     failed: list[str] = field(default_factory=list)  # the statistics out of their limits: max_abs, gain, rel_rms
+
+    def __post_init__(self):
+        if not self.ok and not self.failed:  # built by hand with max_abs inf (e.g. different blocks written)
+            self.failed = ["max_abs"]
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -404,7 +409,7 @@ def compare_tensor(name: str, step: int, up: torch.Tensor, re_: torch.Tensor, at
     return TensorStat(name, step, shape, float(err.max()), float(rel.max()), atol, rtol, ok, note, numel=up.numel(),
                       mean_abs=float(err.mean()), gain=float((delta * up).sum()) / max(ref_sq, 1e-300),
                       rel_rms=(float(delta.pow(2).sum()) / max(ref_sq, 1e-300)) ** 0.5,
-                      ref_rms=(ref_sq / up.numel()) ** 0.5, failed=[] if ok else ["max_abs"])
+                      ref_rms=(ref_sq / up.numel()) ** 0.5)
 
 
 def pool_steps(stats: list[TensorStat], tol: Tolerance) -> list[TensorStat]:
