@@ -89,6 +89,16 @@ def _find_seq(cu_seqlens_q_ptr, qblock_id, num_seqs, BLOCK_Q: tl.constexpr):
     return lo
 
 
+@triton.jit
+def _round_to_bf16(x):
+    """fp32 -> the nearest bf16 value (ties to even), kept in fp32. Interpreter only: Triton 3.9's
+    interpreter casts fp32 to bf16 by truncation (cast_impl passes no rounding mode), which biases
+    every rounded value toward zero; the GPU rounds to nearest even."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
 # --------------------------------------------------------------------------
 # 2. One KV tile of the online softmax
 # --------------------------------------------------------------------------
@@ -191,10 +201,11 @@ def _attend_tile(
     l_i = l_i * alpha + tl.sum(p, axis=1)
     # P is cast to V's dtype so the second product also runs on tensor cores
     # (what FlashAttention and upstream do); the sum stays fp32 in acc.
-    p = p.to(v.dtype)
     if UPCAST_DOT:
-        p = p.to(tl.float32)  # after the rounding to v's dtype: same values
+        p = _round_to_bf16(p)  # the GPU's rounding, held in fp32 for the upcast dot
         v = v.to(tl.float32)
+    else:
+        p = p.to(v.dtype)
     acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
@@ -319,6 +330,8 @@ def paged_attention_kernel(
     # l_i == 0 and are not stored, the guard only keeps them NaN-free.
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_i[:, None]
+    if UPCAST_DOT:
+        out = _round_to_bf16(out)  # so the truncating store below is exact
     o_offs = (q_start + q_tok).to(tl.int64)[:, None] * stride_ot + q_head[:, None] * stride_oh
     tl.store(
         out_ptr + o_offs + offs_d[None, :],
@@ -437,7 +450,7 @@ def paged_attention(
 # --------------------------------------------------------------------------
 # 5. Plugging the kernel into the mini engine
 # --------------------------------------------------------------------------
-def engine_attention(q, k_new, v_new, cache, meta) -> torch.Tensor:
+def engine_attention(q, k_new, v_new, cache, meta, bf16_weights: bool = False) -> torch.Tensor:
     """Drop-in for ``reimpl.paged_attn.paged_attention`` (the mini engine's
     attention, called by ``reimpl/qwen3.py``): same arguments, same result
     ``[num_tokens, num_heads * head_dim]``, but the attention itself is this
@@ -451,6 +464,10 @@ def engine_attention(q, k_new, v_new, cache, meta) -> torch.Tensor:
 
     On a machine without a GPU, set ``TRITON_INTERPRET=1`` before this module is
     first imported (Triton reads it when the kernel is decorated).
+
+    ``bf16_weights`` is paged_attention's switch for upstream's AMX CPU kernel; this
+    kernel needs no switch: it always casts P to the cache dtype before the P·V dot,
+    so in bf16 it rounds the weights as the AMX kernel (and upstream's Triton) does.
     """
     cache.write(k_new, v_new, meta.slot_mapping)
     width = max(len(t) for t in meta.block_tables)

@@ -1,5 +1,6 @@
 """bf16 compare: tokens by vLLM's top-5 rule (reimpl on upstream's tokens after a difference), tensors at bf16 tolerance."""
 
+import io
 import json
 import os
 import shutil
@@ -8,14 +9,17 @@ import sys
 
 import pytest
 import torch
+from rich.console import Console
 from typer.testing import CliRunner
 
 from reimpl import paged_attn
 from reimpl.engine import Engine
 from reimpl.qwen3 import Qwen3
+from vllm_tour.bench.bf16_error_stats import engine_factory
 from vllm_tour.cli import app
 from vllm_tour.compare import diffs
 from vllm_tour.compare.harness import compare
+from vllm_tour.compare.report import render
 from vllm_tour.compare.tokens import logprobs_close
 from vllm_tour.errors import TourError
 from vllm_tour.paths import SCENARIOS_DIR
@@ -44,6 +48,39 @@ def test_tolerance_follows_the_run_dtype():
         assert diffs.tolerance_for(backend, env, "bfloat16") is diffs.BF16
     assert diffs.tolerance_for("CPUAttention", None, "float32") is diffs.FP32
     assert (diffs.BF16.atol, diffs.BF16.rtol, diffs.BF16.name) == (5e-2, 1e-2, "bf16") and diffs.BF16.reason
+    assert (diffs.BF16.max_gain, diffs.BF16.max_rel_rms) == (2.0**-10, 2.0**-6) and "gain" in diffs.BF16.rule
+    for fp32 in (diffs.FP32, diffs.TF32_DOTS, diffs.FP32_IEEE_DOTS):  # fp32 is judged by its max alone
+        assert (fp32.max_gain, fp32.max_rel_rms) == (None, None)
+
+
+def _steps(scale: float, noise_ulps: float, steps: int = 8, seed: int = 0) -> list[diffs.TensorStat]:
+    """A bf16 reference per step and a reimpl = reference x scale + noise_ulps ulps of random rounding, in bf16."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for step in range(1, steps + 1):
+        ref = torch.randn(64, 256, generator=g).bfloat16()
+        ulp = 2.0 ** (torch.frexp(ref.float())[1] - 8).float()
+        mine = (ref.float() * scale + noise_ulps * ulp * torch.randn(ref.shape, generator=g)).bfloat16()
+        out.append(diffs.compare_tensor("attn_out.layers.0", step, ref, mine, diffs.BF16.atol, diffs.BF16.rtol))
+    return out
+
+
+def test_pooled_statistics_tell_a_scale_bug_from_rounding():
+    """Per element both are within a few ulps, so within the max rule; pooled over the steps the 0.5% scale
+    is a gain of 5e-3 and fails, unbiased rounding noise of half an ulp does not. fp32 gets no pooled row."""
+    noise = diffs.pool_steps(_steps(1.0, 0.5), diffs.BF16)
+    scaled = diffs.pool_steps(_steps(1.005, 0.0), diffs.BF16)
+    assert all(s.ok for s in noise + scaled if s.step is not None)
+    (pooled,) = [s for s in noise if s.step is None]
+    assert pooled.ok and abs(pooled.gain) < 2e-4 and pooled.numel == 8 * 64 * 256
+    (pooled,) = [s for s in scaled if s.step is None]
+    assert not pooled.ok and pooled.failed == ["gain"] and 4e-3 < pooled.gain < 6e-3
+    assert pooled.note.startswith("all 8 steps pooled") and "|gain|" in pooled.note
+    big = diffs.pool_steps(_steps(1.0, 4.0), diffs.BF16)  # unbiased but 4 ulps everywhere: rel_rms, not gain
+    assert [s.failed for s in big if s.step is None] == [["rel_rms"]]
+    assert diffs.pool_steps(_steps(1.005, 0.0), diffs.FP32) == _steps(1.005, 0.0)
+    moved = diffs.TensorStat("kv_blocks.layers.0", 1, [2], float("inf"), float("inf"), 5e-2, 1e-2, False, "other blocks")
+    assert moved.failed == ["max_abs"] and diffs.pool_steps([moved], diffs.BF16) == [moved]  # nothing to pool
 
 
 # --- upstream in bf16 ------------------------------------------------------------------------
@@ -95,7 +132,7 @@ def test_bf16_reimpl_matches_upstream(compare_upstream, module, name):
     if module == "reimpl.paged_attn":
         names = {t.name for t in r.tensors}
         assert {"attn_out.layers.0", "attn_out.layers.1", "kv_blocks.layers.0", "kv_blocks.layers.1"} <= names
-        assert len(r.tensors) == 4 * r.steps_upstream  # every step, both layers
+        assert len(r.tensors) == 4 * r.steps_upstream + 4  # every step, both layers; and each pooled over the steps
         assert all(t.ok and t.atol == 5e-2 for t in r.tensors)
 
 
@@ -127,6 +164,53 @@ def test_bf16_attention_5_percent_off(compare_upstream):
     assert r.exit_code == 1 and not [d for d in r.divergences if d.kind != "tokens"]
     first = r.to_json()["first_tensor_out_of_tolerance"]
     assert (first["name"], first["step"], first["atol"]) == ("attn_out.layers.0", 1, 5e-2)
+
+
+# --- small real bugs: within bf16's max |Δ|, caught by the pooled statistics -------------------
+
+BF16_SCENARIOS = ("cmp_single_bf16", "cmp_chunked_bf16", "cmp_preempt_bf16")
+
+
+@pytest.mark.parametrize("name", BF16_SCENARIOS)
+def test_correct_reimpl_attention_is_within_bf16_on_every_scenario(compare_upstream, name):
+    """Every attention output, per step and pooled over the steps. (kv_blocks: test_bf16_reimpl_matches_upstream.)"""
+    r = compare_upstream("reimpl.paged_attn", name)
+    attn = [t for t in r.tensors if t.name.startswith("attn_out.")]
+    assert len(attn) == 2 * r.steps_upstream + 2 and [t for t in attn if not t.ok] == []
+    pooled = {t.name: t for t in attn if t.step is None}
+    assert all(abs(t.gain) < diffs.BF16.max_gain / 2 and t.rel_rms < diffs.BF16.max_rel_rms for t in pooled.values())
+    assert not [d for d in r.divergences if d.kind != "tokens"]
+
+
+def _pooled(r, name: str) -> diffs.TensorStat:
+    return next(t for t in r.tensors if t.name == name and t.step is None)
+
+
+@pytest.mark.parametrize("mutation", ["softmax_scale", "sqrt_d_minus_1", "rmsnorm_weight"])
+def test_a_one_percent_bug_passes_the_max_and_fails_the_gain(compare_upstream, mutation):
+    """Softmax scale x1.01 or 1/sqrt(head_dim - 1), input RMSNorm weight x1.005: every decision agrees and
+    attention is within the max |Δ| rule at every step; over the steps layer 0's output is scaled."""
+    r = compare_upstream("reimpl.paged_attn", "cmp_single_bf16", engine_factory=engine_factory("reimpl.paged_attn", mutation))
+    assert r.exit_code == 1 and not [d for d in r.divergences if d.kind != "tokens"]
+    assert all(t.ok for t in r.tensors if t.name.startswith("attn_out.") and t.step is not None)
+    layer0 = _pooled(r, "attn_out.layers.0")
+    assert not layer0.ok and "gain" in layer0.failed and layer0.gain > diffs.BF16.max_gain
+    j = r.to_json()
+    (row,) = [t for t in j["tensors"] if t["name"] == "attn_out.layers.0" and t["step"] is None]
+    assert "gain" in row["failed"] and "|gain|" in row["note"] and "gain" in j["tolerance"]["rule"]
+    console = Console(file=io.StringIO(), width=250)
+    render(r, console)
+    assert "NO: gain" in console.file.getvalue() and "attn_out.layers.0 all steps" in console.file.getvalue()
+
+
+def test_rope_off_by_one_fails_max_and_rel_rms(compare_upstream):
+    """Queries rotated one position ahead: attention reads the wrong relative positions, far outside bf16."""
+    r = compare_upstream("reimpl.paged_attn", "cmp_single_bf16",
+                         engine_factory=engine_factory("reimpl.paged_attn", "rope_query_off_by_one"))
+    assert r.exit_code == 1 and not [d for d in r.divergences if d.kind != "tokens"]
+    step1 = next(t for t in r.tensors if (t.name, t.step) == ("attn_out.layers.0", 1))
+    assert step1.failed == ["max_abs"] and step1.max_abs > 10 * diffs.BF16.atol
+    assert "rel_rms" in _pooled(r, "attn_out.layers.0").failed
 
 
 # --- the top-5 rule on real runs: a logit pushed up at one position ---------------------------
@@ -163,7 +247,7 @@ def test_a_token_in_upstreams_top5_passes_and_the_reimpl_follows_upstream(compar
     assert (rule["ok"], rule["identical"], rule["first_diff"], rule["reimpl"]) == (True, False, pos, second)
     assert r.tokens["r0"]["reimpl"][pos] == second
     assert any(f"output position {pos}" in n and "continued with upstream's tokens" in n for n in r.notes)
-    assert len(r.tensors) == 4 * r.steps_upstream and all(t.ok for t in r.tensors)
+    assert len(r.tensors) == 4 * r.steps_upstream + 4 and all(t.ok for t in r.tensors)
 
 
 def test_a_token_outside_upstreams_top5_is_a_tokens_divergence(compare_upstream, upstream_run, monkeypatch):
@@ -211,5 +295,5 @@ def test_triton_kernel_in_bf16_matches_upstream(tmp_path, upstream_run):
                        capture_output=True, text=True, env={**os.environ, "TRITON_INTERPRET": "1"})
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     res = json.loads(out.read_text())["scenarios"][0]
-    assert res["tolerance"]["name"] == "bf16" and res["tensor_summary"]["compared"] == 48
+    assert res["tolerance"]["name"] == "bf16" and res["tensor_summary"]["compared"] == 48 + 4  # + pooled rows
     assert res["dtype"] == "bfloat16" and all(t["ok"] for t in res["tensors"]) and res["tokens"]["r0"]["top_k_rule"]["ok"]

@@ -138,7 +138,7 @@ def compare(module: str, scenario_path: Path | str, *, fresh: bool = False, upst
             divs += diffs.diff_step(crash.step, up.steps[crash.step], re_steps[crash.step],
                                     tuple(x for x in sections if x in ("scheduler", "kv")))
         divs.append(crash)
-    tstats = diff_tensors(run_dir, up.steps, re_steps, re_tensors, tol.atol, tol.rtol) if tensors else []
+    tstats = diffs.pool_steps(diff_tensors(run_dir, up.steps, re_steps, re_tensors, tol.atol, tol.rtol), tol) if tensors else []
 
     tokens = {rid: {"upstream": up.outputs.get(rid), "reimpl": re_outputs.get(rid), "forced": rid in forced}
               for rid in sorted(set(up.outputs) | set(re_outputs))}

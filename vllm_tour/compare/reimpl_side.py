@@ -98,10 +98,10 @@ def _on_gpu(attention: Callable) -> Callable:
     for the kernel, and the output comes back: the engine, its captures and its decisions are unchanged."""
     from types import SimpleNamespace
 
-    def attend(q, k_new, v_new, cache, meta):
+    def attend(q, k_new, v_new, cache, meta, **options):
         cache.write(k_new, v_new, meta.slot_mapping)
         on_gpu = SimpleNamespace(k=cache.k.cuda(), v=cache.v.cuda(), write=lambda *_: None)
-        return attention(q.cuda(), k_new, v_new, on_gpu, meta).cpu()
+        return attention(q.cuda(), k_new, v_new, on_gpu, meta, **options).cpu()
 
     return attend
 

@@ -61,23 +61,30 @@ def render(result: CompareResult, console: Console, explain: bool = False, max_r
 
     if result.tensors:
         tol = j["tolerance"]
-        tt = Table(title=f"tensors (tolerance {tol.get('name', 'fp32')}: |Δ| ≤ {tol['atol']:g} + {tol['rtol']:g}·|upstream|)",
-                   caption=tol.get("reason"))
-        for col in ("name", "steps", "max |Δ|", "max rel", "ok"):
+        tt = Table(title=f"tensors (tolerance {tol.get('name', 'fp32')}: {escape(tol['rule'])})", caption=tol.get("reason"))
+        pooled = {s.name: s for s in result.tensors if s.step is None}
+        for col in ("name", "steps", "max |Δ|", "max rel") + (("gain", "rel rms") if pooled else ()) + ("ok",):
             tt.add_column(col)
         by_name: dict[str, list] = {}
         for s in result.tensors:
-            by_name.setdefault(s.name, []).append(s)
+            if s.step is not None:
+                by_name.setdefault(s.name, []).append(s)
         for name, stats in by_name.items():
-            ok = all(s.ok for s in stats)
             bad = [s.step for s in stats if not s.ok]
-            tt.add_row(name, f"{len(stats)}" + (f" (bad: {bad[:5]})" if bad else ""),
-                       f"{max(s.max_abs for s in stats):.2e}", f"{max(s.max_rel for s in stats):.2e}",
-                       "[green]yes[/]" if ok else "[red]NO[/]")
+            failed = sorted({f for s in stats + [pooled.get(name)] if s for f in s.failed})
+            row = [name, f"{len(stats)}" + (f" (bad: {bad[:5]})" if bad else ""),
+                   f"{max(s.max_abs for s in stats):.2e}", f"{max(s.max_rel for s in stats):.2e}"]
+            if pooled:
+                all_steps = pooled.get(name)
+                row += [f"{all_steps.gain:+.1e}", f"{all_steps.rel_rms:.1e}"] if all_steps else ["-", "-"]
+            tt.add_row(*row, "[red]NO: " + ", ".join(failed) + "[/]" if failed else "[green]yes[/]")
         console.print(tt)
-        for s in result.bad_tensors[:3]:
-            if s.note:
-                console.print(f"  [red]{s.name} step {s.step}[/]: {escape(s.note)}")
+        first_bad = {}
+        for s in result.bad_tensors:
+            first_bad.setdefault(s.name, s)
+        for s in first_bad.values():
+            where = "all steps" if s.step is None else f"step {s.step}"
+            console.print(f"  [red]{s.name} {where}[/] (failed: {', '.join(s.failed)}): {escape(s.note)}")
     for n in result.notes:
         console.print(f"[dim]note: {escape(n)}[/]")
     if explain and result.explain:

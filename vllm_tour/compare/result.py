@@ -75,7 +75,7 @@ class CompareResult:
             "tolerance": {"atol": self.tolerance.atol, "rtol": self.tolerance.rtol, "name": self.tolerance.name,
                           "reason": self.tolerance.reason, "upstream_attention_backend": self.upstream_backend,
                           "upstream_cpu_attention_isa": self.upstream_isa,
-                          "rule": "|reimpl - upstream| <= atol + rtol * |upstream|",
+                          "rule": self.tolerance.rule,
                           "exact": (["tokens"] if self.dtype == "float32" else [])
                           + ["scheduler decisions", "block tables and pool events", "runner inputs and slot mapping"]},
             "tensor_summary": {"compared": len(self.tensors), "out_of_tolerance": len(self.bad_tensors),
