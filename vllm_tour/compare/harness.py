@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..errors import TourError
-from ..paths import RUNS_DIR, SCENARIOS_DIR  # noqa: F401  (the CLI and the pytest plugin find scenarios here)
+from ..paths import SCENARIOS_DIR
 from . import diffs
 from .diffs import Divergence
 from .explain import explain as explain_divergence
