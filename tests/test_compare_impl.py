@@ -71,6 +71,7 @@ def test_bad_impl_files_are_refused_in_one_line_before_any_engine_starts(tmp_pat
     syntax_error.write_text(ok.read_text() + "def broken(:\n")
     cases = {
         "no such file": f"block_pool={tmp_path / 'missing.py'}",
+        "is not a Python file": f"block_pool={_write(tmp_path / 'notes.txt', 'class BlockPool: pass')}",
         "SyntaxError": f"block_pool={syntax_error}",
         "has no MyPool": f"block_pool={ok}:MyPool",
         "has no method touch(self, blocks)": f"block_pool={learner_file(tmp_path, 'block_pool', ('def touch(', 'def touch_all('), 'no_touch.py')}",
@@ -96,6 +97,11 @@ def test_bad_impl_files_are_refused_in_one_line_before_any_engine_starts(tmp_pat
     assert got.pop("imported") == []
     for want, (kind, message) in got.items():
         assert kind == "TourError" and want in message and "\n" not in message, (want, message)
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
 
 
 def test_real_command_prints_one_error_line_and_exits_2(tmp_path):
