@@ -71,6 +71,7 @@ def test_bad_impl_files_are_refused_in_one_line_before_any_engine_starts(tmp_pat
     syntax_error.write_text(ok.read_text() + "def broken(:\n")
     cases = {
         "no such file": f"block_pool={tmp_path / 'missing.py'}",
+        "is not a Python file": f"block_pool={_write(tmp_path / 'notes.txt', 'class BlockPool: pass')}",
         "SyntaxError": f"block_pool={syntax_error}",
         "has no MyPool": f"block_pool={ok}:MyPool",
         "has no method touch(self, blocks)": f"block_pool={learner_file(tmp_path, 'block_pool', ('def touch(', 'def touch_all('), 'no_touch.py')}",
@@ -96,6 +97,11 @@ def test_bad_impl_files_are_refused_in_one_line_before_any_engine_starts(tmp_pat
     assert got.pop("imported") == []
     for want, (kind, message) in got.items():
         assert kind == "TourError" and want in message and "\n" not in message, (want, message)
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
 
 
 def test_real_command_prints_one_error_line_and_exits_2(tmp_path):
@@ -178,3 +184,21 @@ def test_component_notes_exist_in_the_annotations():
     ids = {n["id"] for f in (ROOT / "annotations").glob("*.toml") for n in tomllib.loads(f.read_text()).get("note", [])}
     for c in COMPONENTS.values():
         assert c.notes and set(c.notes) <= ids, (c.name, set(c.notes) - ids)
+
+
+def test_a_crash_in_the_learners_file_is_located_there(compare_upstream, tmp_path):
+    bug = learner_file(tmp_path, "scheduler", ("return min(num_wanted, token_budget)",
+                                               "return num_wanted if num_wanted <= token_budget else 1 // 0"))
+    r = compare_upstream("reimpl.chunked_prefill", "cmp_chunked", impl={"scheduler": str(bug)})
+    assert (r.first.step, r.first.field) == (1, "reimpl.exception")
+    assert "ZeroDivisionError" in r.first.reimpl and f"{bug.name}:" in r.first.message and "in chunk" in r.first.message
+
+
+def test_the_gpu_runner_reads_the_registry_without_pydantic_or_torch():
+    script = ("import sys\n"
+              "for m in ('pydantic', 'libcst', 'torch'): sys.modules[m] = None  # absent on the GPU image before assembly\n"
+              "from vllm_tour.gpu import runner\n"
+              "print(','.join(runner.MODULES))\n")
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.strip() == ",".join(MODULES)

@@ -259,8 +259,9 @@ def compare(
     atol: Optional[float] = typer.Option(None, help="Tensor tolerance: |reimpl - upstream| <= atol + rtol*|upstream|. "
                                          "Default: by upstream's platform/backend (fp32: 1e-5; CUDA Triton attention, TF32 dots: 1e-2)."),
     rtol: Optional[float] = typer.Option(None, help="See --atol."),
-    impl: list[str] = typer.Option([], "--impl", help="COMPONENT=FILE.py[:Name]: your own class/function for a component "
-                                   f"({', '.join(COMPONENTS)}); the rest stays the reference. Repeatable."),
+    impl: list[str] = typer.Option([], "--impl", metavar="COMPONENT=FILE.py[:Name]",
+                                   help=f"Your own class/function for a component ({', '.join(COMPONENTS)}); "
+                                   "the rest stays the reference. Repeatable."),
 ):
     """Run upstream (probes) and the reimpl on a scenario; diff tokens, per-step decisions, tensors. Exit 0 clean, 1 diverged, 2 could not run."""
     from .compare.command import run_compare

@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from ..errors import TourError
+from ..paths import RUNS_DIR
 from ..trace.writer import write_json_atomic
 from . import harness, report
 from .components import parse_impl
@@ -66,7 +67,7 @@ def run_compare(module: str, scenario: Path | None, all_scenarios: bool, explain
         "could_not_run": failed,
         "time": time.time(),
     }
-    out = Path(json_out) if json_out else harness.RUNS_DIR / "compare" / f"{time.strftime('%Y%m%d-%H%M%S')}-{module.replace('.', '_')}.json"
+    out = Path(json_out) if json_out else RUNS_DIR / "compare" / f"{time.strftime('%Y%m%d-%H%M%S')}-{module.replace('.', '_')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(out, summary)
 

@@ -137,6 +137,8 @@ def load_impl(component: str, spec: str) -> object:
         raise TourError(f"{label}: no such file {path}")
     module_name = f"vllm_tour_impl_{component}_{hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]}"
     module_spec = importlib.util.spec_from_file_location(module_name, path)
+    if module_spec is None:
+        raise TourError(f"{label}: {path} is not a Python file (FILE.py)")
     module = importlib.util.module_from_spec(module_spec)
     module.__package__ = "reimpl"  # a copied reference file's relative imports resolve against reimpl/
     sys.modules[module_name] = module  # dataclasses look their module up while the file runs

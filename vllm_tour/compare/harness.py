@@ -3,12 +3,6 @@
     result = compare("reimpl.paged_attn", "traces/scenarios/cmp_single.toml")
     result.exit_code  # 0 clean, 1 diverged (2 is raised as TourError: could not run)
     compare("reimpl.paged_attn", scenario, impl={"block_pool": "labs/my_pool.py:BlockPool"})
-
-modules.py      what each module swaps in and is judged on
-components.py   the swappable components' interfaces, load_impl
-upstream.py     the upstream run (cached per scenario), read through trace.reader
-reimpl_side.py  the reference engine with the module's (or the learner's) components
-tensor_diff.py  captured tensors; explain.py  --explain; result.py  CompareResult
 """
 
 from __future__ import annotations
@@ -20,7 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..errors import TourError
-from ..paths import RUNS_DIR, SCENARIOS_DIR  # noqa: F401  (the CLI and the pytest plugin find scenarios here)
+from ..paths import SCENARIOS_DIR
 from . import diffs
 from .diffs import Divergence
 from .explain import explain as explain_divergence
