@@ -8,6 +8,7 @@ from typer.testing import CliRunner
 
 from reimpl import engine, input_batch, kv_cache_manager
 from vllm_tour.cli import app
+from vllm_tour.compare import harness
 from vllm_tour.compare.pytest_plugin import format_first
 
 
@@ -32,7 +33,7 @@ def test_a_capture_the_reimpl_skips_is_out_of_tolerance(compare_upstream, upstre
     assert "tensor attn_out.layers.1 at step 1" in format_first(r)
 
 
-def test_a_capture_upstream_lacks_is_out_of_tolerance(compare_upstream, upstream_run, tmp_path):
+def test_a_capture_upstream_lacks_is_out_of_tolerance(upstream_run, tmp_path):
     """The other side: upstream's run lost one capture record (the reimpl produced that tensor)."""
     up = upstream_run("cmp_single")
     run = tmp_path / "run"
@@ -41,7 +42,7 @@ def test_a_capture_upstream_lacks_is_out_of_tolerance(compare_upstream, upstream
         lines = [json.loads(line) for line in records.read_text().splitlines() if line.strip()]
         kept = [rec for rec in lines if not (rec["kind"] == "capture" and rec["step"] == 2 and rec["name"] == "kv_blocks.layers.0")]
         records.write_text("".join(json.dumps(rec) + "\n" for rec in kept))
-    r = compare_upstream("reimpl.paged_attn", "cmp_single", upstream_run=run)
+    r = harness.compare("reimpl.paged_attn", "traces/scenarios/cmp_single.toml", upstream_run=run)
     assert r.exit_code == 1
     [bad] = r.bad_tensors
     assert (bad.name, bad.step) == ("kv_blocks.layers.0", 2)
@@ -76,7 +77,7 @@ def test_logits_rows_off_by_one_diverge(compare_upstream, monkeypatch):
     assert r.first.reimpl == [i - 1 for i in r.first.upstream]
 
 
-def test_upstream_without_logits_indices_says_not_recorded(compare_upstream, upstream_run, tmp_path):
+def test_upstream_without_logits_indices_says_not_recorded(upstream_run, tmp_path):
     """A run whose runner records carry no logits indices is compared on the rest and says so."""
     up = upstream_run("cmp_single")
     run = tmp_path / "run"
@@ -87,7 +88,7 @@ def test_upstream_without_logits_indices_says_not_recorded(compare_upstream, ups
             if rec["kind"] == "runner":
                 rec["logits_indices"] = []
         records.write_text("".join(json.dumps(rec) + "\n" for rec in lines))
-    r = compare_upstream("reimpl.chunked_prefill", "cmp_single", upstream_run=run)
+    r = harness.compare("reimpl.chunked_prefill", "traces/scenarios/cmp_single.toml", upstream_run=run)
     assert r.exit_code == 0, format_first(r)
     [item] = [x for x in r.not_compared if "logits_indices" in x["what"]]
     assert item["why"].startswith("not recorded in this run")
