@@ -112,14 +112,14 @@ class Engine:
             setattr(self.kv, name, self._tracked(name, getattr(self.kv, name)))
 
     def _tracked(self, name: str, method: Callable) -> Callable:
-        def call(request, *args, **kwargs):
+        def tracked_call(request, *args, **kwargs):
             step, phase = self.where
             self.where = (step, f"{name} for {request.req_id}")
             result = method(request, *args, **kwargs)
             self.where = (step, phase)
             return result
 
-        return call
+        return tracked_call
 
     # --- the loop ----------------------------------------------------------------
 

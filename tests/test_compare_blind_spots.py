@@ -111,6 +111,7 @@ def test_crash_in_allocate_slots_names_its_step_and_decision(compare_upstream, u
     assert (r.first.kind, r.first.step, r.first.field) == ("crash", k, "reimpl.exception")
     assert f"raised in step {k} during allocate_slots for r0" in r.first.message
     assert "RuntimeError: planted" in r.first.reimpl
+    assert "chunked_prefill.py" in r.first.message  # the scheduler line that asked, not the engine's phase tracking
     assert len([d for d in r.divergences if d.kind != "crash"]) == 0  # steps before k agree
     assert any(f"step {k} after the reimpl raised" in x["what"] for x in r.not_compared)
 

@@ -175,7 +175,7 @@ def _crash_divergence(e: Exception, step: int, phase: str | None, components: di
     own = {getattr(inspect.getmodule(obj), "__file__", None) for obj in components.values()}
     tb = traceback.extract_tb(e.__traceback__)
     where = next((f"{Path(f.filename).name}:{f.lineno} in {f.name}" for f in reversed(tb)
-                  if "reimpl" in f.filename or f.filename in own), "?")
+                  if ("reimpl" in f.filename or f.filename in own) and f.name != "tracked_call"), "?")  # not Engine._tracked's wrapper
     doing = f" during {phase}" if phase else ""
     return Divergence("crash", step, "reimpl.exception", None, f"{type(e).__name__}: {e}"[:500], None,
                       f"the reimpl raised in step {step}{doing}, at {where}")
