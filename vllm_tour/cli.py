@@ -28,14 +28,24 @@ app.add_typer(models_app, name="models")
 console = Console()
 
 
+def flag(*decls: str, help: str):
+    """A boolean option, off by default; shown without a value type in --help (it takes none)."""
+    return typer.Option(False, *decls, help=help, metavar="")
+
+
 @app.command()
 def pin(
     tag: Optional[str] = typer.Argument(None, help="Pin tag, e.g. v0.32.0 (default: v<installed version>)."),
     commit: Optional[str] = typer.Option(None, help="Commit to record when the wheel's _version.py records none."),
-    fetch: bool = typer.Option(False, "--fetch", help="Instead: download TAG's wheel and keep its Python sources in the cache (for `source`/`annotations check` on a pin that is not installed)."),
+    fetch: bool = flag("--fetch", help="Instead: download TAG's wheel and keep its Python sources in the cache (for `source`/`annotations check` on a pin that is not installed)."),
     out: Optional[Path] = typer.Option(None, help="Write here instead of pins/<tag>.toml."),
+    write: bool = flag("--write", help="Rewrite an existing pins/<tag>.toml (without it: only say what would change)."),
 ):
-    """Write pins/<TAG>.toml from the installed vLLM: version, commit, distribution, torch, source digest."""
+    """Pin the installed vLLM: version, commit, distribution, torch, source digest, merged into pins/TAG.toml.
+
+    The other platforms' distributions in the pin are kept. An existing pin file is
+    only rewritten with --write; without it the changes are listed.
+    """
     from . import pins
 
     if fetch:
@@ -44,9 +54,17 @@ def pin(
         path = pins.fetch_sources(tag)
         console.print(f"sources of {tag} in {path}")
         return
-    p = pins.pin_from_installed(tag, commit)
-    path = pins.write_pin(p, out)
-    console.print(f"wrote {path}: {p.distributions[p.platform].dist} {p.version}, {p.source_files} files, {p.source_digest}")
+    p, changes, path, written = pins.update_pin(tag, commit, out, write)
+    d = p.distributions[p.platform]
+    if not changes:
+        console.print(f"{path} already pins {d.dist} {p.version} ({p.source_digest}): nothing to change")
+        return
+    for line in changes:
+        console.print(f"  {escape(line)}", highlight=False)
+    if written:
+        console.print(f"wrote {path}: {d.dist} {p.version}, {p.source_files} files, {p.source_digest}")
+    else:
+        console.print(f"{path} not written: {len(changes)} change(s) above; give --write to apply them (or --out FILE)")
 
 
 @app.command()
@@ -78,7 +96,7 @@ def doctor(
 @models_app.command("make")
 def models_make(
     name: str = typer.Argument("tiny-qwen3", help="tiny-qwen3 or tiny-qwen3-moe."),
-    force: bool = typer.Option(False, help="Regenerate even if present."),
+    force: bool = flag(help="Regenerate even if present."),
 ):
     """Generate a tiny checkpoint (HF layout) in the user cache and print its path and digest."""
     from . import models
@@ -106,7 +124,7 @@ def source(
 @annotations_app.command("check")
 def annotations_check(
     pin: list[str] = typer.Option([], "--pin", help="Pin tag; repeat to check several (drift is against the first)."),
-    as_json: bool = typer.Option(False, "--json", help="Machine-readable report on stdout."),
+    as_json: bool = flag("--json", help="Machine-readable report on stdout."),
 ):
     """Check every note resolves on each pin; report orphans (exit 1) and drift between pins."""
     from .source.commands import run_check
@@ -135,21 +153,22 @@ def trace(
     max_tokens: Optional[int] = typer.Option(None, help="Tokens to generate per request (default 16)."),
     temperature: Optional[float] = typer.Option(None, help="Sampling temperature (default 0: greedy)."),
     seed: Optional[int] = typer.Option(None, help="Per-request sampling seed."),
-    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Keep generating past EOS (fixed lengths)."),
+    ignore_eos: bool = flag("--ignore-eos", help="Keep generating past EOS (fixed lengths)."),
     block_size: Optional[int] = typer.Option(None, help="Tokens per KV block (a multiple of 32 on CPU)."),
     num_blocks: Optional[int] = typer.Option(None, help="Usable KV blocks. Small (e.g. 8) forces preemption."),
     kv_bytes: Optional[int] = typer.Option(None, help="KV cache size in bytes (default 64 MiB) when --num-blocks is not given."),
     max_num_batched_tokens: Optional[int] = typer.Option(None, help="Token budget per step. Small (e.g. 32) forces chunked prefill."),
     max_num_seqs: Optional[int] = typer.Option(None, help="Most requests running at once."),
     max_model_len: Optional[int] = typer.Option(None, help="Longest sequence (default 1024)."),
-    prefix_caching: Optional[bool] = typer.Option(None, "--prefix-caching/--no-prefix-caching", help="Automatic prefix caching (default on)."),
+    prefix_caching: Optional[bool] = typer.Option(None, "--prefix-caching/--no-prefix-caching", help="Automatic prefix caching (default on).", metavar=""),
     tp: Optional[int] = typer.Option(None, "--tp", help="Tensor-parallel size (1 or 2; 2 starts two worker processes)."),
     capture: list[str] = typer.Option([], "--capture", help="Save tensors: attn_out (per-layer attention output), kv_blocks (KV blocks written); comma-separated or repeated."),
     capture_steps: str = typer.Option("", help="Steps to capture, e.g. 1-3,7 (default: every step)."),
     logprobs: Optional[int] = typer.Option(None, "--logprobs", help="Record each generated position's top-K token ids and logprobs in outputs.json (default: 5 for a bf16 scenario, else none)."),
-    out: Optional[Path] = typer.Option(None, help="Run directory (default traces/runs/<stamp>-<name>)."),
-    multiprocess: bool = typer.Option(False, "--multiprocess", help="Run the EngineCore in its own process, as `vllm serve` does (arrival steps become approximate)."),
-    verbose: bool = typer.Option(False, "--verbose", "-v", help="Show vLLM's own INFO logs."),
+    out: Optional[Path] = typer.Option(None, help="Run directory (default traces/runs/<stamp>-<name>). An existing, non-empty one is refused unless --force."),
+    force: bool = flag("--force", help="Trace into an existing --out: its meta.json, records and captures are deleted and replaced."),
+    multiprocess: bool = flag("--multiprocess", help="Run the EngineCore in its own process, as `vllm serve` does (arrival steps become approximate)."),
+    verbose: bool = flag("--verbose", "-v", help="Show vLLM's own INFO logs."),
 ):
     """Run the pinned upstream vLLM engine with probes and record every step.
 
@@ -173,7 +192,7 @@ def trace(
         enable_prefix_caching=prefix_caching, tensor_parallel_size=tp,
     )
     sc = command.build_scenario(scenario, request, requests_file, model, pin, max_tokens, temperature, seed, ignore_eos, engine)
-    command.trace(sc, out, capture, capture_steps, multiprocess, console, logprobs)
+    command.trace(sc, out, capture, capture_steps, multiprocess, console, logprobs, force)
 
 
 @app.command()
@@ -250,10 +269,10 @@ def export(
 def compare(
     module: str = typer.Argument(..., help="reimpl.paged_attn, reimpl.chunked_prefill or reimpl.triton_attn (the mini engine with the Triton kernel; interpreted on CPU)."),
     scenario: Optional[Path] = typer.Option(None, "--scenario", help="Scenario TOML to compare on."),
-    all_scenarios: bool = typer.Option(False, "--all-scenarios", help="Every scenario in traces/scenarios/ the reimpl can run."),
-    explain: bool = typer.Option(False, "--explain", help="At the first divergence, print both sides' state (queues, budgets, block tables)."),
+    all_scenarios: bool = flag("--all-scenarios", help="Every scenario in traces/scenarios/ the reimpl can run."),
+    explain: bool = flag("--explain", help="At the first divergence, print both sides' state (queues, budgets, block tables)."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the JSON report here (default: traces/runs/compare/<stamp>-<module>.json)."),
-    fresh: bool = typer.Option(False, "--fresh", help="Re-run upstream instead of reusing its cached run of the scenario."),
+    fresh: bool = flag("--fresh", help="Re-run upstream instead of reusing its cached run of the scenario."),
     atol: Optional[float] = typer.Option(None, help="Tensor tolerance: |reimpl - upstream| <= atol + rtol*|upstream|. "
                                          "Default: by upstream's platform/backend (fp32: 1e-5; CUDA Triton attention, TF32 dots: 1e-2)."),
     rtol: Optional[float] = typer.Option(None, help="See --atol."),
@@ -267,13 +286,13 @@ def compare(
 
 @app.command()
 def repro(
-    scenario: Path = typer.Argument(..., help="A scenario TOML with an [expect] section (see traces/scenarios/repro_*.toml)."),
+    scenario: Path = typer.Argument(..., help="A scenario TOML with an \\[expect] section (see traces/scenarios/repro_*.toml)."),
     out: Optional[Path] = typer.Option(None, help="Run directory (default traces/runs/<stamp>-<name>)."),
-    verbose: bool = typer.Option(False, "--verbose", "-v", help="Show vLLM's own INFO logs."),
+    verbose: bool = flag("--verbose", "-v", help="Show vLLM's own INFO logs."),
 ):
     """Run a scenario that encodes an upstream issue; print REPRODUCED / NOT REPRODUCED with the evidence.
 
-    Expectations ([expect]): engine_fails_with = "substring", preempted = ["r2"],
+    Expectations (\\[expect]): engine_fails_with = "substring", preempted = ["r2"],
     resumed = ["r2"], prefix_hit_tokens = {r1 = 64}, tokens_equal = ["r0", "r1"].
     Exit 0 reproduced, 1 not reproduced, 2 could not run.
     """

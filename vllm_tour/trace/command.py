@@ -65,10 +65,19 @@ def _slug(text: str) -> str:
     return "-".join(words[:4]).lower() or "prompt"
 
 
+def check_out(out: Path | None, force: bool) -> None:
+    """A rerun into an existing run dir replaces its records: only with --force."""
+    if out is not None and out.is_dir() and any(out.iterdir()) and not force:
+        raise TourError(f"--out {out} exists and is not empty (a trace replaces its meta.json, records and captures): "
+                        "give --force to replace them, or another --out")
+
+
 def trace(scenario: Scenario, out: Path | None, capture: list[str], capture_steps: str, multiprocess: bool, console: Console,
-          logprobs: int | None = None) -> Path:
+          logprobs: int | None = None, force: bool = False) -> Path:
     from .reader import load_run
     from .run import run_upstream
+
+    check_out(out, force)
 
     started = time.time()
     total = len(scenario.requests)
