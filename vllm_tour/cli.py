@@ -100,7 +100,9 @@ def models_make(
 ):
     """Generate a tiny checkpoint (HF layout) in the user cache and print its path and digest."""
     from . import models
+    from .writable import check_dir
 
+    check_dir(models.tiny_model_dir(name).parent, "model cache (VLLM_TOUR_CACHE)")
     path = models.make_tiny_model(name, force=force)
     console.print(f"{name}: {path}  sha256 {models.model_digest(path)}")
 
@@ -139,7 +141,9 @@ def site(
 ):
     """Write a static HTML site of the annotated request path (open OUT/index.html)."""
     from .source.commands import build_site
+    from .writable import check_dir
 
+    check_dir(out, "--out")
     build_site(console, out, pin)
 
 
@@ -200,11 +204,12 @@ def probes(
     pin: Optional[str] = typer.Option(None, "--pin", help="Pin tag to check the targets on (default: the pin of the installed vLLM)."),
 ):
     """List the declared probes: upstream target, what each records, the pins it supports. Exit 2 if a target is missing."""
-    from .pins import active_pin_tag
+    from .pins import active_pin_tag, load_pin
     from .probes.base import resolve
     from .probes.install import probes_for
 
     tag = pin or active_pin_tag()
+    load_pin(tag)  # an unknown pin is named as such, not as a missing probe or backend
     table = Table(title=f"probes — pin {tag}", title_justify="left")
     for col in ("probe", "target", "records", "pins", ""):
         table.add_column(col, overflow="fold")
@@ -257,11 +262,14 @@ def export(
     from .trace.perfetto import default_export_path
     from .trace.perfetto import export as to_perfetto
     from .trace.reader import load_run
+    from .writable import check_file
 
     if format != "perfetto":
         raise TourError(f"unknown format {format!r} (supported: perfetto)")
     r = load_run(run)
-    path = to_perfetto(r, out or default_export_path(r.path))
+    path = out or default_export_path(r.path)
+    check_file(path, "--out")
+    path = to_perfetto(r, path)
     console.print(f"wrote {path} ({len(r.steps)} steps): open it at https://ui.perfetto.dev")
 
 

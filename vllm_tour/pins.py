@@ -185,9 +185,12 @@ def pin_sources(tag: str) -> Path:
 def fetch_sources(tag: str) -> Path:
     """Download the pin's wheel (no dependencies) and keep its Python sources."""
     pin = load_pin(tag)
+    from .writable import check_dir
+
     dest = cache_dir() / "sources" / tag
     if (dest / "vllm" / "__init__.py").exists():
         return dest / "vllm"
+    check_dir(dest, "source cache (VLLM_TOUR_CACHE)")
     dist = pin.distributions.get(pin.platform) or next(iter(pin.distributions.values()))
     spec = f"{dist.dist}=={dist.version}"
     with tempfile.TemporaryDirectory() as tmp:

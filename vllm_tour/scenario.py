@@ -163,7 +163,7 @@ class Scenario(BaseModel):
                                 f"(ids 0..{vocab - 1})")
             if len(ids) >= self.engine.max_model_len:
                 raise TourError(f"request {r.id}: the prompt is {len(ids)} tokens; engine.max_model_len "
-                                f"{self.engine.max_model_len} leaves room for at most {self.engine.max_model_len - 1}")
+                                f"{self.engine.max_model_len} allows at most {self.engine.max_model_len - 1} (one position stays for the first generated token)")
 
 
 def _tokenizer(model_dir: Path):

@@ -29,13 +29,16 @@ def _try_write(directory: Path, what: str, path: Path) -> None:
         raise TourError(f"{what} {path}: cannot write in {directory} ({e.strerror or e})") from None
 
 
-def check_dir(path: Path, what: str) -> None:
-    """`path` is, or can be created as, a directory we can write files in."""
-    path = Path(path)
-    base = _nearest_existing(path)
+def _check(directory: Path, what: str, path: Path) -> None:
+    base = _nearest_existing(directory)
     if not base.is_dir():
         raise TourError(f"{what} {path}: {base} is not a directory")
     _try_write(base, what, path)
+
+
+def check_dir(path: Path, what: str) -> None:
+    """`path` is, or can be created as, a directory we can write files in."""
+    _check(Path(path), what, path)
 
 
 def check_file(path: Path, what: str) -> None:
@@ -43,4 +46,4 @@ def check_file(path: Path, what: str) -> None:
     path = Path(path)
     if path.is_dir():
         raise TourError(f"{what} {path} is a directory (give a file name)")
-    check_dir(path.parent, what)
+    _check(path.parent, what, path)

@@ -16,8 +16,14 @@ from . import diffs, harness, report
 def run_compare(module: str, scenario: Path | None, all_scenarios: bool, explain: bool, json_out: Path | None,
                 fresh: bool, atol: float | None, rtol: float | None, console: Console) -> int:
     """0: every scenario clean; 1: some diverged; 2 (TourError): could not run."""
+    from ..trace.command import quiet_vllm
+    from ..writable import check_file
+
+    quiet_vllm(False)  # as `trace`: vLLM's INFO lines would bury the report
     harness.check_module(module)
     paths = harness.scenario_paths(all_scenarios, scenario)
+    out = Path(json_out) if json_out else harness.RUNS_DIR / "compare" / f"{time.strftime('%Y%m%d-%H%M%S')}-{module.replace('.', '_')}.json"
+    check_file(out, "JSON report")
     from ..scenario import load_scenario
 
     results, skipped, failed = [], [], []
@@ -55,7 +61,6 @@ def run_compare(module: str, scenario: Path | None, all_scenarios: bool, explain
         "could_not_run": failed,
         "time": time.time(),
     }
-    out = Path(json_out) if json_out else harness.RUNS_DIR / "compare" / f"{time.strftime('%Y%m%d-%H%M%S')}-{module.replace('.', '_')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(out, summary)
 
