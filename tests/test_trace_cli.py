@@ -140,3 +140,17 @@ def test_trace_force_replaces_a_run_dir_and_the_longest_prompt_runs(tmp_path, cl
     assert "random weights" in r.stdout
     r = cli("trace", "-r", LONGEST_PROMPT + " and", "--max-model-len", "32", "--out", tmp_path / "run2")
     assert r.returncode == 2 and "allows at most 31" in r.stderr and not (tmp_path / "run2").exists()
+
+
+def test_the_readme_chunked_prefill_example_is_longer_than_its_budget():
+    import re
+
+    from tokenizers import Tokenizer
+
+    from vllm_tour.models import tokenizer_json
+    from vllm_tour.paths import REPO_ROOT
+
+    line = next(x for x in (REPO_ROOT / "README.md").read_text().splitlines() if "# chunked prefill" in x)
+    budget = int(re.search(r"--max-num-batched-tokens (\d+)", line).group(1))
+    prompt = re.search(r'-r "([^"]+)"', line).group(1)
+    assert len(Tokenizer.from_file(str(tokenizer_json())).encode(prompt).ids) > budget  # else nothing chunks

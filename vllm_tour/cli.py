@@ -183,7 +183,7 @@ def trace(
 
       vllm-tour trace -r "one prompt" -r "another" -r "a third" --num-blocks 7 --max-tokens 100 --ignore-eos   # preemption
 
-      vllm-tour trace -r "a prompt longer than the budget ..." --max-num-batched-tokens 32   # chunked prefill
+      vllm-tour trace -r "a prompt of more than 32 tokens does not fit one step of a 32-token budget, so its prefill is split into chunks over several steps" --max-num-batched-tokens 32   # chunked prefill (60 tokens: 32 + 28)
 
       vllm-tour trace --scenario traces/scenarios/shared_prefix.toml --capture attn_out
     """

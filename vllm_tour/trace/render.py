@@ -219,10 +219,10 @@ def header(run: Run) -> Text:
     t = Text()
     t.append(f"{run.path}\n", style="bold")
     t.append(f"pin {m.pin} · vLLM {m.vllm_version} · model {m.model} · status {m.status}\n")
-    total = e.get("num_gpu_blocks_override")
+    usable = next((s.kv.num_blocks for s in run.steps if s.kv), None)
     # Upstream's pool holds one block more than it hands out: block 0, the null block, a placeholder
     # in block tables that never stores KV. "KV free" below counts the usable blocks only.
-    blocks = f"KV blocks {total - 1} usable + 1 null (block 0, never allocated)" if total else "KV blocks auto"
+    blocks = f"KV blocks {usable} usable + 1 null (block 0, never allocated)" if usable is not None else "KV blocks: no KV records"
     t.append(f"block_size {e.get('block_size')} · {blocks} · prefix caching {e.get('enable_prefix_caching')} · TP {e.get('tensor_parallel_size')} · budget {e.get('max_num_batched_tokens', 'default')}\n", style="dim")
     return t
 
