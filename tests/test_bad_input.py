@@ -117,3 +117,11 @@ def test_export_site_and_compare_outputs_that_cannot_be_written(tmp_path, a_file
 
 def test_probes_on_an_unknown_pin_names_the_pin():
     assert_one_line_exit_2(vllm_tour("probes", "--pin", "v9.9.9"), "no pin 'v9.9.9'")
+
+
+def test_repro_out_refuses_a_run_dir_it_would_overwrite(tmp_path):
+    old = tmp_path / "old-run"
+    old.mkdir()
+    (old / "meta.json").write_text('{"status": "failed"}')
+    assert_one_line_exit_2(vllm_tour("repro", SCENARIOS_DIR / "repro_preemption.toml", "--out", old), "give --force")
+    assert (old / "meta.json").read_text() == '{"status": "failed"}'

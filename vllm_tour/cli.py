@@ -295,7 +295,8 @@ def compare(
 @app.command()
 def repro(
     scenario: Path = typer.Argument(..., help="A scenario TOML with an \\[expect] section (see traces/scenarios/repro_*.toml)."),
-    out: Optional[Path] = typer.Option(None, help="Run directory (default traces/runs/<stamp>-<name>)."),
+    out: Optional[Path] = typer.Option(None, help="Run directory (default traces/runs/<stamp>-<name>). An existing, non-empty one is refused unless --force."),
+    force: bool = flag("--force", help="Run into an existing --out: its meta.json, records and captures are deleted and replaced."),
     verbose: bool = flag("--verbose", "-v", help="Show vLLM's own INFO logs."),
 ):
     """Run a scenario that encodes an upstream issue; print REPRODUCED / NOT REPRODUCED with the evidence.
@@ -308,8 +309,9 @@ def repro(
     from .trace.command import quiet_vllm
 
     quiet_vllm(verbose)
-    console.print(f"[dim]repro {escape(str(scenario))}: running upstream with probes…[/]")
-    res = run_repro(scenario, out)
+    if console.is_terminal:  # a status line, as trace's progress bar: piped output stays the result (or one error line)
+        console.print(f"[dim]repro {escape(str(scenario))}: running upstream with probes…[/]")
+    res = run_repro(scenario, out, force)
     render(res, console, scenario)
     raise typer.Exit(0 if res.reproduced else 1)
 
