@@ -161,9 +161,11 @@ class Scenario(BaseModel):
             if r.token_ids is not None and vocab and max(ids) >= vocab:
                 raise TourError(f"request {r.id}: token id {max(ids)} is outside model {self.model}'s vocabulary "
                                 f"(ids 0..{vocab - 1})")
-            if len(ids) >= self.engine.max_model_len:
+            longest = self.engine.max_model_len - 1  # one position stays for the first generated token
+            if len(ids) > longest:
                 raise TourError(f"request {r.id}: the prompt is {len(ids)} tokens; engine.max_model_len "
-                                f"{self.engine.max_model_len} allows at most {self.engine.max_model_len - 1} (one position stays for the first generated token)")
+                                f"{self.engine.max_model_len} allows at most {longest} (one position stays for the "
+                                "first generated token)")
 
 
 def _tokenizer(model_dir: Path):

@@ -27,8 +27,8 @@ from .. import __version__
 from ..errors import TourError
 from ..paths import RUNS_DIR, cache_dir
 from ..scenario import Scenario
-from .schema import Outputs, RequestOutput, RequestSpec, RunMeta
 from ..writable import check_dir
+from .schema import Outputs, RequestOutput, RequestSpec, RunMeta
 from .writer import CAPTURE_ENV, CAPTURE_STEPS_ENV, RECORDER, RUN_DIR_ENV, parse_steps, write_json_atomic
 
 Progress = Callable[[int, int, int], None]  # (engine steps done, requests finished, requests total)
