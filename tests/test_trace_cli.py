@@ -154,3 +154,11 @@ def test_the_readme_chunked_prefill_example_is_longer_than_its_budget():
     budget = int(re.search(r"--max-num-batched-tokens (\d+)", line).group(1))
     prompt = re.search(r'-r "([^"]+)"', line).group(1)
     assert len(Tokenizer.from_file(str(tokenizer_json())).encode(prompt).ids) > budget  # else nothing chunks
+
+
+def test_help_shows_flags_without_a_value_type_and_keeps_bracketed_words(cli):
+    trace_help = cli("trace", "--help").stdout
+    flags = [line for line in trace_help.splitlines() if any(f in line for f in ("--ignore-eos", "--multiprocess", "--force ", "--no-prefix-caching"))]
+    assert len(flags) == 4 and not any("<bool>" in line for line in flags), flags
+    repro_help = cli("repro", "--help").stdout
+    assert "Expectations ([expect]):" in repro_help and "with an [expect] section" in repro_help
