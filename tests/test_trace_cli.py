@@ -158,7 +158,7 @@ def test_the_readme_chunked_prefill_example_is_longer_than_its_budget():
 
 def test_help_shows_flags_without_a_value_type_and_keeps_bracketed_words(cli):
     trace_help = cli("trace", "--help").stdout
-    flags = [line for line in trace_help.splitlines() if any(f in line for f in ("--ignore-eos", "--multiprocess", "--force ", "--no-prefix-caching"))]
+    flags = [line for line in trace_help.splitlines() if line.startswith("│ --") and any(f in line for f in ("--ignore-eos", "--multiprocess", "--force ", "--no-prefix-caching"))]
     assert len(flags) == 4 and not any("<bool>" in line for line in flags), flags
     repro_help = cli("repro", "--help").stdout
     assert "Expectations ([expect]):" in repro_help and "with an [expect] section" in repro_help
