@@ -10,11 +10,13 @@ from __future__ import annotations
 from functools import lru_cache
 
 import pytest
+import torch
 
+from reimpl import fast_engine
 from reimpl.config import EngineConfig, RequestIn
 from reimpl.engine import Engine
 from reimpl.fast_engine import FastEngine, FastQwen3
-from reimpl.qwen3_numerics import DTYPES, rope_cos_sin
+from reimpl.qwen3_numerics import DTYPES, rms_norm, rope_cos_sin
 from vllm_tour.models import resolve_model
 
 NUM_BLOCKS = 24  # KV blocks (null block included): enough to run, too few to run everything at once
@@ -42,28 +44,30 @@ def _decisions(out) -> tuple:
 
 @lru_cache
 def _teaching(dtype: str, free_policy: str = "uncached_to_front"):
-    """(tokens per request, decisions per step) of the teaching engine; each run once per session."""
+    """(tokens per request, decisions per step, K/V caches per layer) of the teaching engine; each run once."""
     steps: list[tuple] = []
     eng = Engine(_config(dtype, free_policy))
     eng.run(_requests(), on_step=lambda res: steps.append(_decisions(res.out)))
-    return eng.outputs(), steps
+    return eng.outputs(), steps, [(c.k, c.v) for c in eng.caches]
 
 
-def _fast(dtype: str, free_policy: str = "uncached_to_front", model: FastQwen3 | None = None):
+def _fast(dtype: str, free_policy: str = "uncached_to_front"):
     cfg = _config(dtype, free_policy)
     steps: list[tuple] = []
-    model = model or FastQwen3.from_dir(cfg.model_dir, device="cpu", dtype=DTYPES[dtype])
-    outs = FastEngine(model, cfg).generate(_requests(), on_step=lambda out, _sampled: steps.append(_decisions(out)))
-    return outs, steps
+    eng = FastEngine(FastQwen3.from_dir(cfg.model_dir, device="cpu", dtype=DTYPES[dtype]), cfg)
+    outs = eng.generate(_requests(), on_step=lambda out, _sampled: steps.append(_decisions(out)))
+    return outs, steps, eng.caches
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_teaching_and_fast_engines_generate_the_same_tokens(dtype):
-    teaching_out, teaching_steps = _teaching(dtype)
-    fast_out, fast_steps = _fast(dtype)
+    teaching_out, teaching_steps, teaching_kv = _teaching(dtype)
+    fast_out, fast_steps, fast_kv = _fast(dtype)
     assert fast_steps == teaching_steps
     differing = sorted(r for r in teaching_out if fast_out[r] != teaching_out[r])
     assert differing == [], f"{len(differing)} of {len(teaching_out)} requests differ: {differing}"
+    # not only the argmax: every K and V either engine wrote is the same bits
+    assert all(torch.equal(a, b) for layer_t, layer_f in zip(teaching_kv, fast_kv) for a, b in zip(layer_t, layer_f))
     assert all(len(teaching_out[r.req_id]) == r.max_tokens for r in _requests())
     # the batch exercises what the model runners must agree on: mixed batches of chunked prefills and
     # decodes, preemption and recompute, prefix-cache hits
@@ -72,13 +76,26 @@ def test_teaching_and_fast_engines_generate_the_same_tokens(dtype):
     assert any(hits for _, _, _, hits in teaching_steps)
 
 
-def test_bf16_parity_needs_rope_rounded_as_the_teaching_model():
-    """The parity check can fail: a fast model whose cos/sin tables stay fp32 (not rounded to bf16 as
-    upstream's cos_sin_cache and the teaching model) generates other tokens."""
-    model = FastQwen3.from_dir(resolve_model("tiny-qwen3"), device="cpu", dtype=DTYPES["bfloat16"])
-    model.cos, model.sin = rope_cos_sin(model.cfg["max_position_embeddings"], model.head_dim,
-                                        model.cfg["rope_theta"], DTYPES["float32"])
-    fast_out, _ = _fast("bfloat16", model=model)
+def _fp32_rope_tables(monkeypatch):
+    monkeypatch.setattr(fast_engine, "rope_cos_sin", lambda max_pos, head_dim, theta, dtype:
+                        rope_cos_sin(max_pos, head_dim, theta, torch.float32))
+
+
+def _residual_rounded_before_the_norm(monkeypatch):
+    def add_then_norm(x, delta, weight, eps):
+        s = x + delta
+        return s, rms_norm(s, weight, eps)
+
+    monkeypatch.setattr(fast_engine, "add_rms_norm", add_then_norm)
+
+
+@pytest.mark.parametrize("drift", [_fp32_rope_tables, _residual_rounded_before_the_norm],
+                         ids=["fp32_rope_tables", "residual_rounded_before_the_norm"])
+def test_bf16_parity_fails_where_the_fast_model_rounds_elsewhere(monkeypatch, drift):
+    """The parity check can fail: the two roundings the fast model used to get wrong (cos/sin kept in fp32
+    instead of the model dtype; the residual sum rounded before it is normalised) each change tokens."""
+    drift(monkeypatch)
+    fast_out, _, _ = _fast("bfloat16")
     assert fast_out != _teaching("bfloat16")[0]
 
 
@@ -87,7 +104,7 @@ def test_fast_engine_follows_the_free_policy():
     blocks to the front); the fast engine hands out the teaching engine's under each."""
     blocks = {}
     for policy in ("uncached_to_front", "append_all"):
-        _, fast_steps = _fast("float32", policy)
+        _, fast_steps, _ = _fast("float32", policy)
         assert fast_steps == _teaching("float32", policy)[1], policy
         blocks[policy] = [new_blocks for _, new_blocks, _, _ in fast_steps]
     assert blocks["uncached_to_front"] != blocks["append_all"]
