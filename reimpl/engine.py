@@ -24,6 +24,7 @@ import torch
 
 from .block_pool import BlockPool
 from .chunked_prefill import Scheduler, SchedulerOutput
+from .config import EngineConfig, RequestIn
 from .input_batch import InputBatch
 from .kv_cache_manager import KVCacheManager
 from . import paged_attn
@@ -31,37 +32,6 @@ from .paged_attn import BatchMeta
 from .qwen3 import Qwen3
 from .request import Request
 from .sampler import Sampler
-
-
-@dataclass
-class EngineConfig:
-    model_dir: str
-    block_size: int = 32
-    num_blocks: int = 64  # including the null block 0, as upstream counts num_gpu_blocks
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 256
-    max_model_len: int = 2048
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    reserve_full_sequence: bool = True  # upstream scheduler_reserve_full_isl
-    # Free-queue order of freed blocks (block_pool.FREE_POLICIES): "uncached_to_front"
-    # mirrors v0.32.0, "append_all" mirrors v0.21.0. Chosen per pin by the harness.
-    free_policy: str = "uncached_to_front"
-    dtype: str = "float32"  # or "bfloat16": weights, activations and the KV cache (see qwen3.py)
-    # Round the softmax weights to bf16 before P·V, as upstream's AMX CPU kernel does
-    # (paged_attn.paged_attention). Chosen by the harness from the ISA upstream recorded.
-    bf16_attention_weights: bool = False
-
-
-@dataclass
-class RequestIn:
-    req_id: str
-    prompt_token_ids: list[int]
-    max_tokens: int
-    temperature: float = 0.0
-    seed: int | None = None
-    arrival_step: int = 0  # added before schedule() call number arrival_step + 1
-    eos_token_id: int | None = None
 
 
 @dataclass
