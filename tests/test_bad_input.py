@@ -128,7 +128,7 @@ def test_repro_out_refuses_a_run_dir_it_would_overwrite(tmp_path):
 
 
 def test_source_works_with_an_unwritable_cache(a_file):
-    """The symbol index is only a cache: `source` still shows the pinned code when it cannot be written."""
-    r = vllm_tour("source", "vllm.v1.core.block_pool.BlockPool.free_blocks", env={"VLLM_TOUR_CACHE": str(a_file / "cache")})
-    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
-    assert "def free_blocks" in r.stdout
+    """The symbol index is only a cache: a lookup that needs it (an unknown symbol: the nearest names)
+    still answers in one line when the cache cannot be written."""
+    r = vllm_tour("source", "vllm.v1.core.block_pool.BlockPool.free_blockz", env={"VLLM_TOUR_CACHE": str(a_file / "cache")})
+    assert_one_line_exit_2(r, "did you mean: vllm.v1.core.block_pool.BlockPool.free_blocks")
