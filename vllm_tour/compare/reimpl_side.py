@@ -141,7 +141,8 @@ def run_reimpl(scenario, up: UpstreamRecords, components: dict[str, object], eng
         notes.append("upstream ran the AMX CPU attention kernel: the reimpl rounds its softmax weights to bf16 "
                      "before P·V as that kernel does (paged_attn.paged_attention bf16_weights)")
     for k, v in policies.items():  # where upstream's behaviour changed between pins, the reimpl follows the run's
-        notes.append(f"reimpl policy for pin {up.meta['pin']}: {k}={v}")
+        if v != EngineConfig.__dataclass_fields__[k].default:
+            notes.append(f"reimpl policy for pin {up.meta['pin']}: {k}={v}")
     eos = _eos_token_id(model_dir)
     by_id = {r.req_id: r for r in scenario.requests}
     requests = []
