@@ -185,9 +185,12 @@ def pin_sources(tag: str) -> Path:
 def fetch_sources(tag: str) -> Path:
     """Download the pin's wheel (no dependencies) and keep its Python sources."""
     pin = load_pin(tag)
+    from .writable import check_dir
+
     dest = cache_dir() / "sources" / tag
     if (dest / "vllm" / "__init__.py").exists():
         return dest / "vllm"
+    check_dir(dest, "source cache (VLLM_TOUR_CACHE)")
     dist = pin.distributions.get(pin.platform) or next(iter(pin.distributions.values()))
     spec = f"{dist.dist}=={dist.version}"
     with tempfile.TemporaryDirectory() as tmp:
@@ -241,6 +244,51 @@ def pin_from_installed(tag: str | None, commit: str | None) -> Pin:
         source_files=nfiles,
         distributions=dists,
     )
+
+
+def merge_pin(new: Pin, old: Pin | None) -> Pin:
+    """`new` (read from this machine) laid over the pin already written: the other platforms'
+    distributions, and the notes of this platform's, are kept (this machine cannot know them)."""
+    if old is None:
+        return new
+    dists = dict(old.distributions)
+    for name, d in new.distributions.items():
+        kept = dists[name].model_dump(exclude_none=True) if name in dists else {}
+        dists[name] = Distribution(**{**kept, **d.model_dump(exclude_none=True)})
+    return new.model_copy(update={"distributions": dists})
+
+
+def pin_changes(old: Pin | None, new: Pin) -> list[str]:
+    """What writing `new` over `old` changes, one line per field ("distributions.cpu.torch: a -> b")."""
+    if old is None:
+        return [f"new pin {new.tag}"]
+
+    def flat(p: Pin) -> dict[str, object]:
+        data = p.model_dump(exclude={"distributions"})
+        for name, d in p.distributions.items():
+            data.update({f"distributions.{name}.{k}": v for k, v in d.model_dump().items()})
+        return {k: v for k, v in data.items() if v is not None}
+
+    a, b = flat(old), flat(new)
+    return [f"{k}: {a.get(k, '(none)')} -> {b.get(k, '(none)')}" for k in dict.fromkeys([*a, *b]) if a.get(k) != b.get(k)]
+
+
+def update_pin(tag: str | None, commit: str | None, out: Path | None, write: bool) -> tuple[Pin, list[str], Path, bool]:
+    """Pin the installed vLLM into `out` or pins/<tag>.toml, merged with what is there.
+
+    A checked-in pin is only rewritten with `write`; returns (pin, changes, path, written)."""
+    from .writable import check_file
+
+    new = pin_from_installed(tag, commit)
+    path = out or _pin_path(new.tag)
+    old = load_pin(new.tag, path) if path.exists() else None
+    pin = merge_pin(new, old)
+    changes = pin_changes(old, pin)
+    if (old is not None and out is None and not write) or not changes:
+        return pin, changes, path, False
+    check_file(path, "pin file")
+    write_pin(pin, path)
+    return pin, changes, path, True
 
 
 def write_pin(pin: Pin, path: Path | None = None) -> Path:

@@ -268,20 +268,25 @@ def _upstream_tokens(sc, model_dir: str, dtype: str, backend: str | None, logpro
     return res
 
 
-def _reimpl_tokens(sc, model_dir: str, dtype, topk: int):
-    """reimpl/fast_engine.py on the GPU: the mini engine's decisions, Triton attention, greedy."""
+def _reimpl_tokens(sc, model_dir: str, dtype, topk: int, pin: str):
+    """reimpl/fast_engine.py on the GPU: the mini engine's decisions (with the pin's policies), Triton attention,
+    greedy."""
     import torch
 
-    from reimpl.fast_engine import FastConfig, FastEngine, FastQwen3, FastRequest
+    from reimpl.config import EngineConfig, RequestIn
+    from reimpl.fast_engine import FastEngine, FastQwen3
+
+    from ..compare.harness import pin_policies
 
     e = sc.engine
     model = FastQwen3.from_dir(model_dir, device="cuda", dtype=dtype)
-    eng = FastEngine(model, FastConfig(block_size=e.block_size, num_blocks=(e.num_blocks or 256) + 1,
-                                       max_num_batched_tokens=e.max_num_batched_tokens or 8192,
-                                       max_num_seqs=e.max_num_seqs or 256, max_model_len=e.max_model_len,
-                                       enable_prefix_caching=e.enable_prefix_caching, cuda_graphs=False))
+    eng = FastEngine(model, EngineConfig(block_size=e.block_size, num_blocks=(e.num_blocks or 256) + 1,
+                                         max_num_batched_tokens=e.max_num_batched_tokens or 8192,
+                                         max_num_seqs=e.max_num_seqs or 256, max_model_len=e.max_model_len,
+                                         enable_prefix_caching=e.enable_prefix_caching, cuda_graphs=False,
+                                         **pin_policies(pin)))
     eng.record_topk = topk
-    outs = eng.generate([FastRequest(r.id, list(r.token_ids), r.max_tokens, 0.0, None, r.arrival_step) for r in sc.requests])
+    outs = eng.generate([RequestIn(r.id, list(r.token_ids), r.max_tokens, 0.0, None, r.arrival_step) for r in sc.requests])
     res = {rid: {"tokens": toks, "top": eng.topk.get(rid, [])} for rid, toks in outs.items()}
     del eng, model
     torch.cuda.empty_cache()
@@ -307,7 +312,7 @@ def cmd_tokens(a) -> int:
         for dtype_name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
             try:
                 up = _upstream_tokens(sc, model_dir, dtype_name, a.attention_backend, 5)
-                re_ = _reimpl_tokens(sc, model_dir, dtype, 5)
+                re_ = _reimpl_tokens(sc, model_dir, dtype, 5, a.pin)
                 per = {}
                 for rid in up:
                     u, r = up[rid], re_.get(rid, {"tokens": [], "top": []})
@@ -341,7 +346,7 @@ def step_commands(a) -> dict[str, list[str]]:
                   "--capture", ",".join(a.compare_scenarios)],
         "compare": [py, "-m", me, "compare", *common, "--scenarios", ",".join(a.compare_scenarios),
                     "--modules", ",".join(a.modules)],
-        "tokens": [py, "-m", me, "tokens", *common, "--scenarios", ",".join(a.compare_scenarios)],
+        "tokens": [py, "-m", me, "tokens", *common, "--scenarios", ",".join(a.compare_scenarios), "--pin", a.pin],
         "race": [py, str(REPO / "vllm_tour" / "bench" / "race_gpu.py"), "--json", str(Path(a.out) / "race.json"),
                  "--sides", a.race_sides],
     }
@@ -420,6 +425,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--modules", default=",".join(MODULES))
     p = common(sub.add_parser("tokens"))
     p.add_argument("--scenarios", required=True)
+    p.add_argument("--pin", default=DEFAULT_PIN, help="the reimpl follows this pin's policies (compare's PIN_POLICIES)")
     p = sub.add_parser("archive", help="fold OUT into one results.tar.gz under 16 MiB (captures left out)")
     p.add_argument("--out", default=os.environ.get("OUT", "traces/runs/gpu"))
     return ap

@@ -26,10 +26,11 @@ from typing import Callable
 from .. import __version__
 from ..errors import TourError
 from ..logprobs import default_logprobs
-from ..paths import RUNS_DIR
+from ..paths import RUNS_DIR, cache_dir
 from ..scenario import Scenario
+from ..writable import check_dir
 from .schema import Outputs, RequestOutput, RequestSpec, RunMeta
-from .writer import CAPTURE_ENV, CAPTURE_STEPS_ENV, RECORDER, RUN_DIR_ENV, write_json_atomic
+from .writer import CAPTURE_ENV, CAPTURE_STEPS_ENV, RECORDER, RUN_DIR_ENV, parse_steps, write_json_atomic
 
 Progress = Callable[[int, int, int], None]  # (engine steps done, requests finished, requests total)
 DEFAULT_KV_BYTES = 64 << 20
@@ -151,6 +152,15 @@ def _check_capture(capture: list[str]) -> list[str]:
     return names
 
 
+def _check_capture_steps(spec: str) -> None:
+    try:
+        steps = parse_steps(spec)
+    except ValueError:
+        steps = set()
+    if steps is not None and not steps:
+        raise TourError(f"--capture-steps {spec!r}: give step numbers and ranges, e.g. 1-3,7")
+
+
 def run_upstream(
     scenario: Scenario,
     run_dir: Path | None = None,
@@ -171,9 +181,9 @@ def run_upstream(
     position's top-k token ids and logprobs in outputs.json (None: k = 5 unless
     the scenario runs in float32; see default_logprobs). Everything that can be
     checked is checked before the engine starts: pin, model, capture names,
-    every probe target.
+    every probe target, the prompts against the model, where the run dir goes.
     """
-    from ..models import model_digest, resolve_model
+    from ..models import TINY_MODELS, model_digest, resolve_model, tiny_model_dir
     from ..pins import active_pin_tag
     from ..probes import cpu_isa
     from ..probes.install import BACKEND_ENV, PIN_ENV, check_probes, install_all
@@ -181,10 +191,16 @@ def run_upstream(
     tag = scenario.pin or active_pin_tag()
     check_pin(tag)
     names = _check_capture(capture)
+    _check_capture_steps(capture_steps)
     logprobs = default_logprobs(scenario.engine.dtype) if logprobs is None else logprobs
     if logprobs < 0:
         raise TourError(f"logprobs must be >= 0, got {logprobs}")
+    if scenario.model in TINY_MODELS and not (tiny_model_dir(scenario.model) / "model.safetensors").exists():
+        check_dir(cache_dir() / "models", "model cache (VLLM_TOUR_CACHE)")  # generated there on first use
     model_path = resolve_model(scenario.model)
+    scenario.check_model(model_path)
+    run_dir = Path(run_dir) if run_dir else new_run_dir(scenario.name)
+    check_dir(run_dir, "run directory")
     backend = attention_backend(scenario, tag)
     if probes:
         check_probes(tag, backend=backend)  # a missing target fails here, before any engine starts
@@ -192,7 +208,6 @@ def run_upstream(
         cpu_isa.check(scenario.engine.cpu_attention_isa, scenario.engine.dtype, backend)
     kwargs = engine_kwargs(scenario, model_path, tag)
 
-    run_dir = Path(run_dir) if run_dir else new_run_dir(scenario.name)
     run_dir.mkdir(parents=True, exist_ok=True)
     for stale in ("outputs.json", "meta.json"):
         (run_dir / stale).unlink(missing_ok=True)
