@@ -69,25 +69,34 @@ class SimulatedGroup:
 
 
 class DistributedGroup(SimulatedGroup):
-    """This process is one rank of an initialised torch.distributed group (gloo on CPU, NCCL on GPUs)."""
+    """This process is one rank of a torch.distributed group: gloo on CPU, or NCCL, whose collectives run on
+    this rank's GPU (the model's tensors go there and back for each one)."""
 
-    def __init__(self):
+    def __init__(self, rank: int, world_size: int, backend: str = "gloo", init_method: str = "env://"):
         import torch.distributed as dist
 
         self.dist = dist
-        self.world_size = dist.get_world_size()
-        self.ranks = [dist.get_rank()]
+        self.device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+        if backend == "nccl":
+            torch.cuda.set_device(self.device)
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+        self.world_size = world_size
+        self.ranks = [rank]
         self.recorded = {}
 
     def all_reduce(self, parts, layer):
-        total = parts[0].clone()
+        total = parts[0].to(self.device, copy=True)
         self.dist.all_reduce(total)
-        return self._record("all_reduce", layer, parts, [total])
+        return self._record("all_reduce", layer, parts, [total.to(parts[0].device)])
 
     def all_gather(self, parts, layer):
-        pieces = [torch.empty_like(parts[0]) for _ in range(self.world_size)]
-        self.dist.all_gather(pieces, parts[0].contiguous())
-        return self._record("all_gather", layer, parts, [torch.cat(pieces, dim=-1)])
+        mine = parts[0].to(self.device).contiguous()
+        pieces = [torch.empty_like(mine) for _ in range(self.world_size)]
+        self.dist.all_gather(pieces, mine)
+        return self._record("all_gather", layer, parts, [torch.cat(pieces, dim=-1).to(parts[0].device)])
+
+    def close(self) -> None:
+        self.dist.destroy_process_group()
 
 
 # --- the sharding rules: which rows or columns of a checkpoint tensor rank r holds -----------------------
