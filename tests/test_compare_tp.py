@@ -160,3 +160,23 @@ def test_gloo_ranks_equal_the_simulation(tmp_path):
         assert sorted(got) == sorted(want) and len(got) == 2 * (len(LAYERS) + 1)
         for k in want:
             assert torch.equal(got[k], want[k]), k
+
+
+def test_show_and_perfetto_put_ranks_side_by_side(upstream_run):
+    from rich.console import Console
+
+    from vllm_tour.trace.perfetto import RANK_PID, to_chrome_trace
+    from vllm_tour.trace.render import collectives_table, tp_summary
+
+    run = load_run(upstream_run(SCENARIO).run_dir)
+    console = Console(width=200, record=True)
+    console.print(collectives_table(run.steps[0]), tp_summary(run))
+    text = console.export_text()
+    assert "rank 0 in / out" in text and "rank 1 in / out" in text and "NO" not in text
+    assert "rank 1: 19 weight tensors (10 sharded, the rest replicated) · all-reduce via cpu-shm" in text
+    events = to_chrome_trace(run)["traceEvents"]
+    calls = sum(len(s.collectives[0]) for s in run.steps)
+    for rank in (0, 1):
+        assert sum(1 for e in events if e["pid"] == RANK_PID + rank and e["ph"] == "X") == calls
+    starts = {e["id"] for e in events if e["ph"] == "s" and e["pid"] == RANK_PID}
+    assert starts == {e["id"] for e in events if e["ph"] == "f" and e["pid"] == RANK_PID + 1} and len(starts) == calls
