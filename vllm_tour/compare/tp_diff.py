@@ -99,7 +99,8 @@ def diff_collectives(run, up_steps: dict, re_steps: dict, re_tensors: dict, atol
             if not rec.name.startswith("tp."):
                 continue
             rank = rec.proc.rank
-            key = f"rank{rank}/{rec.name}"
+            # the reimpl all-gathers the logits; upstream gathers them to rank 0 where use_all_gather is false (CUDA)
+            key = f"rank{rank}/{rec.name.replace('tp.gather_', 'tp.all_gather_')}"
             mine = mine_all.get(key)
             if mine is None:
                 stats.append(TensorStat(key, step.index, rec.shape, float("inf"), float("inf"), atol, rtol, False,
