@@ -180,3 +180,16 @@ def test_show_and_perfetto_put_ranks_side_by_side(upstream_run):
         assert sum(1 for e in events if e["pid"] == RANK_PID + rank and e["ph"] == "X") == calls
     starts = {e["id"] for e in events if e["ph"] == "s" and e["pid"] == RANK_PID}
     assert starts == {e["id"] for e in events if e["ph"] == "f" and e["pid"] == RANK_PID + 1} and len(starts) == calls
+
+
+def test_learners_attention_runs_on_every_rank(compare_upstream):
+    """--impl paged_attention=... reaches the TP model: an attention that forgets the context shows on both ranks."""
+    def last_token_only(q, k_new, v_new, cache, meta, bf16_weights=False):
+        cache.write(k_new, v_new, meta.slot_mapping)
+        group = q.shape[1] // v_new.shape[1]
+        return v_new.repeat_interleave(group, dim=1).reshape(q.shape[0], -1)
+
+    r = compare_upstream("reimpl.tp", SCENARIO, impl={"paged_attention": last_token_only})
+    firsts = {d.field for d in r.divergences if d.kind == "tensor"}
+    assert r.exit_code == 1
+    assert firsts == {f"rank{k}/tp.all_reduce_in.model.layers.0.self_attn.o_proj" for k in (0, 1)}

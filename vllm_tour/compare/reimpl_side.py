@@ -114,13 +114,13 @@ def _on_gpu(attention: Callable) -> Callable:
 
 
 def model_factory(module: str) -> Callable | None:
-    """(model_dir, dtype) -> the module's multi-rank model (modules.CompareModule.model), or None."""
+    """(model_dir, dtype, attention) -> the module's multi-rank model (modules.CompareModule.model), or None."""
     m = get_module(module)
     if not m.model:
         return None
     mod, name = m.model.split(":")
     build = getattr(importlib.import_module(mod), name)
-    return lambda model_dir, dtype: build(model_dir, m.world_size, dtype)
+    return lambda model_dir, dtype, attention: build(model_dir, m.world_size, dtype, attention)
 
 
 def _eos_token_id(model_dir: Path) -> int | None:
@@ -181,7 +181,8 @@ def run_reimpl(scenario, up: UpstreamRecords, components: dict[str, object], eng
             ignore_eos = bool(spec.ignore_eos) if spec else False
         requests.append(RequestIn(r["req_id"], list(r["prompt_token_ids"]), r["max_tokens"], r.get("temperature") or 0.0,
                                   r.get("seed"), r.get("arrival_step") or 0, None if ignore_eos else eos))
-    model = build_model(str(model_dir), dtype) if build_model else None
+    # a multi-rank model runs the engine's attention (a learner's, with --impl paged_attention=...)
+    model = build_model(str(model_dir), dtype, components["paged_attention"]) if build_model else None
     engine = engine_factory(cfg) if engine_factory else Engine(cfg, model, **components)
     for r in requests:
         if r.temperature > 0:
