@@ -8,19 +8,11 @@ Every divergence names the rank, the layer, the tensor and the step (0: at load)
 
 from __future__ import annotations
 
-import hashlib
-
+from ..probes.tp import digest
 from ..trace.reader import load_run
 from . import diffs
 from .diffs import Divergence, TensorStat
 from .upstream import load_capture
-
-
-def digest(t) -> str:
-    import torch
-
-    t = t.detach().contiguous().cpu()
-    return hashlib.sha256(t.view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 def _split(param: str) -> tuple[str, str]:
