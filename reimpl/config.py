@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .request import Request
+
 
 @dataclass
 class EngineConfig:
@@ -55,3 +57,14 @@ class RequestIn:
     seed: int | None = None
     arrival_step: int = 0  # added before schedule() call number arrival_step + 1
     eos_token_id: int | None = None  # None: never stop on EOS (ignore_eos)
+
+
+def admit_arrivals(pending: list[RequestIn], scheduler, step: int) -> None:
+    """Hand the scheduler the requests that have arrived by engine step `step` (`pending` sorted by
+    arrival_step; admitted ones are removed). Both engines' loops call this, so arrivals are one rule.
+    A request arrives before engine step number arrival_step; an idle engine would not step at all,
+    so then the next request arrives now."""
+    while pending and (pending[0].arrival_step <= step or not scheduler.has_unfinished()):
+        r = pending.pop(0)
+        scheduler.add_request(Request(r.req_id, list(r.prompt_token_ids), r.max_tokens, r.temperature, r.seed,
+                                      r.eos_token_id, r.arrival_step))

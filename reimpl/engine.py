@@ -24,7 +24,7 @@ import torch
 
 from .block_pool import BlockPool
 from .chunked_prefill import Scheduler, SchedulerOutput
-from .config import EngineConfig, RequestIn
+from .config import EngineConfig, RequestIn, admit_arrivals
 from .input_batch import InputBatch
 from .kv_cache_manager import KVCacheManager
 from . import paged_attn
@@ -98,15 +98,8 @@ class Engine:
         results: list[StepResult] = []
         step = 0  # engine step calls so far (arrival_step counts these)
         while (pending or self.scheduler.has_unfinished()) and step < max_steps:
-            # A request arrives before engine step number arrival_step; an idle
-            # engine would not step at all, so then the next request arrives now.
-            while pending and (pending[0].arrival_step <= step or not self.scheduler.has_unfinished()):
-                r = pending.pop(0)
-                self.where = (self.steps_done + 1, f"add_request for {r.req_id}")
-                self.scheduler.add_request(Request(
-                    r.req_id, list(r.prompt_token_ids), r.max_tokens, r.temperature, r.seed,
-                    r.eos_token_id, r.arrival_step,
-                ))
+            self.where = (self.steps_done + 1, "add_request")
+            admit_arrivals(pending, self.scheduler, step)
             res = self.step(capture)
             results.append(res)
             if on_step:

@@ -58,10 +58,9 @@ import torch.nn.functional as F
 
 from .async_scheduler import AsyncScheduler
 from .chunked_prefill import Scheduler, SchedulerOutput
-from .config import EngineConfig, RequestIn
+from .config import EngineConfig, RequestIn, admit_arrivals
 from .kv_cache_manager import KVCacheManager
 from .qwen3_numerics import add_rms_norm, apply_rope, rms_norm, rope_cos_sin, silu_and_mul
-from .request import Request
 
 AttnFn = Callable[..., torch.Tensor]  # (q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, max_seqlen_q) -> out
 
@@ -501,10 +500,7 @@ class FastEngine:
         step, in_flight = 0, None
         while (pending or sched.has_unfinished()) and step < max_steps:
             h0 = time.perf_counter()
-            while pending and (pending[0].arrival_step <= step or not sched.has_unfinished()):
-                r = pending.pop(0)
-                sched.add_request(Request(r.req_id, list(r.prompt_token_ids), r.max_tokens, r.temperature, r.seed,
-                                          r.eos_token_id, r.arrival_step))
+            admit_arrivals(pending, sched, step)
             out = sched.schedule()
             step += 1
             self.stats.steps += bool(out.scheduled)

@@ -125,3 +125,10 @@ def test_repro_out_refuses_a_run_dir_it_would_overwrite(tmp_path):
     (old / "meta.json").write_text('{"status": "failed"}')
     assert_one_line_exit_2(vllm_tour("repro", SCENARIOS_DIR / "repro_preemption.toml", "--out", old), "give --force")
     assert (old / "meta.json").read_text() == '{"status": "failed"}'
+
+
+def test_source_works_with_an_unwritable_cache(a_file):
+    """The symbol index is only a cache: a lookup that needs it (an unknown symbol: the nearest names)
+    still answers in one line when the cache cannot be written."""
+    r = vllm_tour("source", "vllm.v1.core.block_pool.BlockPool.free_blockz", env={"VLLM_TOUR_CACHE": str(a_file / "cache")})
+    assert_one_line_exit_2(r, "did you mean: vllm.v1.core.block_pool.BlockPool.free_blocks")

@@ -33,15 +33,20 @@ def test_a_capture_the_reimpl_skips_is_out_of_tolerance(compare_upstream, upstre
     assert "tensor attn_out.layers.1 at step 1" in format_first(r)
 
 
-def test_a_capture_upstream_lacks_is_out_of_tolerance(upstream_run, tmp_path):
-    """The other side: upstream's run lost one capture record (the reimpl produced that tensor)."""
-    up = upstream_run("cmp_single")
+def _edited_copy(run_dir, tmp_path, edit):
+    """A copy of an upstream run whose records (one list per records file) went through `edit`."""
     run = tmp_path / "run"
-    shutil.copytree(up.run_dir, run)
+    shutil.copytree(run_dir, run)
     for records in run.glob("records*.jsonl"):
         lines = [json.loads(line) for line in records.read_text().splitlines() if line.strip()]
-        kept = [rec for rec in lines if not (rec["kind"] == "capture" and rec["step"] == 2 and rec["name"] == "kv_blocks.layers.0")]
-        records.write_text("".join(json.dumps(rec) + "\n" for rec in kept))
+        records.write_text("".join(json.dumps(rec) + "\n" for rec in edit(lines)))
+    return run
+
+
+def test_a_capture_upstream_lacks_is_out_of_tolerance(upstream_run, tmp_path):
+    """The other side: upstream's run lost one capture record (the reimpl produced that tensor)."""
+    run = _edited_copy(upstream_run("cmp_single").run_dir, tmp_path, lambda records: [
+        rec for rec in records if not (rec["kind"] == "capture" and rec["step"] == 2 and rec["name"] == "kv_blocks.layers.0")])
     r = harness.compare("reimpl.paged_attn", "traces/scenarios/cmp_single.toml", upstream_run=run)
     assert r.exit_code == 1
     [bad] = r.bad_tensors
@@ -79,15 +84,8 @@ def test_logits_rows_off_by_one_diverge(compare_upstream, monkeypatch):
 
 def test_upstream_without_logits_indices_says_not_recorded(upstream_run, tmp_path):
     """A run whose runner records carry no logits indices is compared on the rest and says so."""
-    up = upstream_run("cmp_single")
-    run = tmp_path / "run"
-    shutil.copytree(up.run_dir, run)
-    for records in run.glob("records*.jsonl"):
-        lines = [json.loads(line) for line in records.read_text().splitlines() if line.strip()]
-        for rec in lines:
-            if rec["kind"] == "runner":
-                rec["logits_indices"] = []
-        records.write_text("".join(json.dumps(rec) + "\n" for rec in lines))
+    run = _edited_copy(upstream_run("cmp_single").run_dir, tmp_path, lambda records: [
+        {**rec, "logits_indices": []} if rec["kind"] == "runner" else rec for rec in records])
     r = harness.compare("reimpl.chunked_prefill", "traces/scenarios/cmp_single.toml", upstream_run=run)
     assert r.exit_code == 0, format_first(r)
     [item] = [x for x in r.not_compared if "logits_indices" in x["what"]]

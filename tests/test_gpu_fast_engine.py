@@ -31,7 +31,7 @@ def _both(name: str):
     seqs = e.max_num_seqs or 256
     cfg = EngineConfig(model_dir, e.block_size, num_blocks, budget, seqs, e.max_model_len, e.enable_prefix_caching,
                        cuda_graphs=False)
-    reqs = [RequestIn(r.id, list(r.token_ids), r.max_tokens, 0.0, None, r.arrival_step, None) for r in sc.requests]
+    reqs = [RequestIn(r.req_id, list(r.prompt_token_ids), r.max_tokens, 0.0, None, r.arrival_step, None) for r in sc.requests]
     ref = Engine(cfg)
     ref_steps = [[(s.req_id, s.kind, s.num_tokens, s.num_computed_tokens) for s in res.out.scheduled]
                  + [("blocks", dict(res.out.new_block_ids)), ("preempted", [p.req_id for p in res.out.preempted])]

@@ -146,7 +146,7 @@ def test_triton_f32_reaches_every_step_and_trace_scenarios_are_traced_once():
 
 
 def test_triton_f32_is_recorded_in_the_run_env(monkeypatch):
-    from vllm_tour.trace.run import env_allow_list
+    from vllm_tour.upstream_run import env_allow_list
 
     monkeypatch.setenv("TRITON_F32_DEFAULT", "ieee")
     assert env_allow_list()["TRITON_F32_DEFAULT"] == "ieee"

@@ -108,6 +108,8 @@ def test_pin_merges_and_rewrites_a_checked_in_pin_only_with_write(tmp_path, monk
     assert set(merged["distributions"]) == {"cpu", "cuda", "maca"}  # the sections this machine cannot know are kept
     assert merged["distributions"]["maca"]["note"].startswith("MetaX")
     assert merged["distributions"]["cpu"]["torch"] == pins.torch_version()
+    # the hand-written profile (how vllm-tour runs this release) survives the rewrite, note and all
+    assert merged["profile"] == tomllib.loads(stale)["profile"] and merged["profile"]["default_attention_backend"] == "CPU_ATTN"
 
 
 def test_pin_command_says_what_changed(tmp_path, cli):

