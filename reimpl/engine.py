@@ -209,6 +209,8 @@ class Engine:
                 tensors[name + "#block_ids"] = torch.tensor(written)
             elif name == "logits":
                 tensors[name] = logits.clone()
+            elif name == "tp":  # a tensor-parallel model's collectives, per rank (reimpl/tp.py)
+                tensors.update(self.model.group.recorded)
         runner = {
             "kind": "runner", "step": out.step, "proc": self.proc,
             "num_tokens": len(input_ids),
