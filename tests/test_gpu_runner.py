@@ -150,3 +150,23 @@ def test_triton_f32_is_recorded_in_the_run_env(monkeypatch):
 
     monkeypatch.setenv("TRITON_F32_DEFAULT", "ieee")
     assert env_allow_list()["TRITON_F32_DEFAULT"] == "ieee"
+
+
+def test_tp_variants_override_the_scenario_engine():
+    """tp_chunked+bf16 is tp_chunked in bfloat16, tp_single+tp1 the same requests at TP=1; unknown tags refused."""
+    sc = runner._scenario("tp_chunked+bf16")
+    base = runner._scenario("tp_chunked")
+    assert (sc.engine.dtype, base.engine.dtype) == ("bfloat16", "float32")
+    assert sc.requests == base.requests and sc.engine.tensor_parallel_size == 2
+    assert runner._scenario("tp_single+tp1").engine.tensor_parallel_size == 1
+    with pytest.raises(SystemExit):
+        runner.main(["all", "--out", "/tmp/x", "--steps", "pack", "--compare-scenarios", "tp_single+fp8"])
+
+
+def test_step_limits_override_and_nccl_multicast_stays_off():
+    assert runner.parse_limits("trace=400,compare=200") == {"trace": 400.0, "compare": 200.0}
+    assert runner.step_timeout("trace", 0.0, 540, now=0.0, limits={"trace": 400.0}) == 400.0
+    for bad in ("trace", "bogus=3", "trace=x"):
+        with pytest.raises(SystemExit):
+            runner.parse_limits(bad)
+    assert runner.step_env({}, None)["NCCL_NVLS_ENABLE"] == "0"
