@@ -249,6 +249,20 @@ def cmd_trace(a) -> int:
     return 0 if all(r["status"] == "ok" for r in results.values()) else 1
 
 
+def max_abs_by_kind(tensors: list[dict]) -> dict[str, dict]:
+    """Worst |Δ| per tensor kind over ranks, layers and steps: 'rank1/tp.all_reduce_out.model.layers.0.mlp.down_proj'
+    is kind all_reduce_out.down_proj, 'attn_out.model.layers.1.self_attn.attn' attn_out.attn."""
+    out: dict[str, dict] = {}
+    for t in tensors:
+        parts = t["name"].rpartition("/")[2].removeprefix("tp.").split(".")
+        kind = f"{parts[0]}.{parts[-1]}" if len(parts) > 1 else parts[0]
+        k = out.setdefault(kind, {"max_abs": 0.0, "n": 0, "out_of_tolerance": 0})
+        k["max_abs"] = max(k["max_abs"], t["max_abs"])
+        k["n"] += 1
+        k["out_of_tolerance"] += not t["ok"]
+    return dict(sorted(out.items()))
+
+
 def cmd_compare(a) -> int:
     from ..compare import harness
 
@@ -262,7 +276,7 @@ def cmd_compare(a) -> int:
                 base, _ = split_variants(name)  # the run recorded the variant's dtype, which the compare follows
                 r = harness.compare(module, harness.SCENARIOS_DIR / f"{base}.toml", upstream_run=traces / name)
                 row = r.to_json()
-                row.pop("tensors", None)  # summary and first out-of-tolerance kept; the full list is long
+                row["max_abs_by_kind"] = max_abs_by_kind(row.pop("tensors", []))  # the full list is long
                 rc = max(rc, r.exit_code)
             except Exception as e:  # noqa: BLE001 - TourError = could not run (exit 2)
                 row = {"scenario": name, "status": "could_not_run", "error": f"{type(e).__name__}: {e}"[:1500]}
