@@ -1,6 +1,7 @@
-"""One rank of reimpl/tp.py's TPQwen3 over torch.distributed (gloo), for tests/test_compare_tp.py.
+"""One rank of reimpl/tp.py's TPQwen3 over torch.distributed (gloo, or NCCL on GPU rank RANK), for
+tests/test_compare_tp.py.
 
-    python tests/_tp_dist_worker.py RANK WORLD INIT_FILE MODEL_DIR OUT_DIR
+    python tests/_tp_dist_worker.py RANK WORLD INIT_FILE MODEL_DIR OUT_DIR [gloo|nccl]
 Runs one prefill of two requests and a logits gather; saves what crossed each collective on this rank
 (group.recorded) to OUT_DIR/rank<RANK>.safetensors."""
 
@@ -17,7 +18,8 @@ from reimpl.tp import DistributedGroup, TPQwen3  # noqa: E402
 from _tp_batch import run_batch  # noqa: E402  (this script's directory is on sys.path)
 
 rank, world, init_file, model_dir, out_dir = int(sys.argv[1]), int(sys.argv[2]), *sys.argv[3:6]
-group = DistributedGroup(rank, world, "gloo", f"file://{init_file}")
+backend = sys.argv[6] if len(sys.argv) > 6 else "gloo"
+group = DistributedGroup(rank, world, backend, f"file://{init_file}")
 run_batch(TPQwen3(model_dir, group))
 save_file({k: v.contiguous() for k, v in group.recorded.items()}, os.path.join(out_dir, f"rank{rank}.safetensors"))
 group.close()

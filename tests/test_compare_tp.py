@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from reimpl import qwen3, tp
@@ -135,8 +136,11 @@ def test_modules_take_only_their_world_size():
     assert "reimpl.tp compares TP=2 runs only" in harness.applicable(single, "reimpl.tp")
 
 
-def test_gloo_ranks_equal_the_simulation(tmp_path):
-    """The same rank code in 2 processes over torch.distributed (gloo) computes what the simulation does."""
+@pytest.mark.parametrize("backend", ["gloo", pytest.param("nccl", marks=pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="NCCL needs 2 GPUs (the 2-GPU machine)"))])
+def test_distributed_ranks_equal_the_simulation(tmp_path, backend):
+    """The same rank code in 2 processes over torch.distributed (gloo; NCCL with the collectives on 2 GPUs)
+    computes what the simulation does, bit for bit: two-term sums are exact in any order."""
     from vllm_tour.models import make_tiny_model
 
     sys.path.insert(0, str(Path(__file__).parent))
@@ -144,7 +148,7 @@ def test_gloo_ranks_equal_the_simulation(tmp_path):
 
     model_dir = make_tiny_model("tiny-qwen3-tp")
     worker = Path(__file__).with_name("_tp_dist_worker.py")
-    procs = [subprocess.Popen([sys.executable, str(worker), str(r), "2", str(tmp_path / "init"), str(model_dir), str(tmp_path)],
+    procs = [subprocess.Popen([sys.executable, str(worker), str(r), "2", str(tmp_path / "init"), str(model_dir), str(tmp_path), backend],
                               stderr=subprocess.PIPE, text=True) for r in (0, 1)]
     for p in procs:
         _, err = p.communicate(timeout=120)

@@ -150,3 +150,34 @@ def test_triton_f32_is_recorded_in_the_run_env(monkeypatch):
 
     monkeypatch.setenv("TRITON_F32_DEFAULT", "ieee")
     assert env_allow_list()["TRITON_F32_DEFAULT"] == "ieee"
+
+
+def test_tp_variants_override_the_scenario_engine():
+    """tp_chunked+bf16 is tp_chunked in bfloat16, tp_single+tp1 the same requests at TP=1; unknown tags refused."""
+    sc = runner._scenario("tp_chunked+bf16")
+    base = runner._scenario("tp_chunked")
+    assert (sc.engine.dtype, base.engine.dtype) == ("bfloat16", "float32")
+    assert sc.requests == base.requests and sc.engine.tensor_parallel_size == 2
+    assert runner._scenario("tp_single+tp1").engine.tensor_parallel_size == 1
+    with pytest.raises(SystemExit):
+        runner.main(["all", "--out", "/tmp/x", "--steps", "pack", "--compare-scenarios", "tp_single+fp8"])
+
+
+def test_step_limits_override_and_nccl_multicast_stays_off():
+    assert runner.parse_limits("trace=400,compare=200") == {"trace": 400.0, "compare": 200.0}
+    assert runner.step_timeout("trace", 0.0, 540, now=0.0, limits={"trace": 400.0}) == 400.0
+    for bad in ("trace", "bogus=3", "trace=x"):
+        with pytest.raises(SystemExit):
+            runner.parse_limits(bad)
+    assert runner.step_env({}, None)["NCCL_NVLS_ENABLE"] == "0"
+
+
+def test_max_abs_by_kind_pools_ranks_layers_and_steps():
+    t = lambda name, m, ok=True: {"name": name, "max_abs": m, "ok": ok}  # noqa: E731
+    got = runner.max_abs_by_kind([t("rank0/tp.all_reduce_out.model.layers.0.mlp.down_proj", 1e-6),
+                                  t("rank1/tp.all_reduce_out.model.layers.1.mlp.down_proj", 3e-6, False),
+                                  t("rank0/tp.all_reduce_in.model.layers.0.self_attn.o_proj", 2e-6),
+                                  t("rank0/tp.all_gather_out.logits", 5e-5)])
+    assert got == {"all_gather_out.logits": {"max_abs": 5e-5, "n": 1, "out_of_tolerance": 0},
+                   "all_reduce_in.o_proj": {"max_abs": 2e-6, "n": 1, "out_of_tolerance": 0},
+                   "all_reduce_out.down_proj": {"max_abs": 3e-6, "n": 2, "out_of_tolerance": 1}}

@@ -31,7 +31,13 @@ compare's tensor tolerance follows it (diffs.tolerance_for: fp32 1e-5).
 Upstream's attention backend is the pin's (v0.21.0: TRITON_ATTN, passed as
 `attention_config` by upstream_run.engine_kwargs) or `--attention-backend`, which
 sets each scenario's `engine.attention_backend`.
-The pure-Python parts (plan, deadline, dist-info, packing, the bf16 rule)
+TP scenarios (tp_*, `tensor_parallel_size = 2`) need the 2-GPU machine: upstream runs its mp executor, one
+worker per GPU over NCCL (NVLink SHARP off: NCCL_NVLS_ENABLE=0), and the rank-aware probes record each rank;
+compare them with `--modules reimpl.tp` (not in the default modules: they are single-device). A scenario
+name may carry variants after `+`: `tp_chunked+bf16` runs it in bfloat16, `tp_single+tp1` at TP=1 (upstream's
+own TP=1 tokens, beside its TP=2 ones); its run directory keeps the full name, and compare reads the scenario
+file and the dtype the run recorded.
+The pure-Python parts (plan, deadline, dist-info, packing, the bf16 rule, variants)
 are tested on CPU in tests/test_gpu_runner.py.
 """
 
@@ -54,7 +60,7 @@ REPO = Path(__file__).resolve().parents[2]
 TRACE_SCENARIOS = ("single", "concurrent8", "chunked_prefill", "preemption", "shared_prefix")
 COMPARE_SCENARIOS = ("cmp_single", "cmp_chunked", "cmp_preempt", "cmp_shared_prefix",
                      "cmp_single_bf16", "cmp_chunked_bf16", "cmp_preempt_bf16")
-# single-device modules: reimpl.tp compares TP=2 runs, which this runner does not trace
+# the default modules are single-device; reimpl.tp (world size 2) is asked for with --modules on the 2-GPU machine
 MODULES = tuple(name for name, m in COMPARE_MODULES.items() if m.world_size == 1)
 STEPS = ("doctor", "race", "trace", "compare", "tokens", "pack")  # the race first: the one figure that needs minutes
 # Seconds each step is given at most (the overall deadline may give less).
@@ -73,11 +79,24 @@ class StepResult:
     data: dict = field(default_factory=dict)
 
 
-def step_timeout(name: str, started: float, deadline_s: float, now: float | None = None) -> float:
-    """Seconds this step may take: its own limit, cut to what the deadline leaves (minus the reserve)."""
+def step_timeout(name: str, started: float, deadline_s: float, now: float | None = None,
+                 limits: dict | None = None) -> float:
+    """Seconds this step may take: its own limit (`limits` over STEP_LIMITS), cut to what the deadline leaves
+    (minus the reserve)."""
     now = time.time() if now is None else now
     left = deadline_s - (now - started) - (0 if name == "pack" else RESERVE_S)
-    return max(0.0, min(STEP_LIMITS[name], left))
+    return max(0.0, min({**STEP_LIMITS, **(limits or {})}[name], left))
+
+
+def parse_limits(text: str) -> dict[str, float]:
+    """'trace=400,compare=200' -> {'trace': 400.0, 'compare': 200.0}."""
+    out = {}
+    for part in filter(None, text.split(",")):
+        name, _, sec = part.partition("=")
+        if name not in STEP_LIMITS or not sec.replace(".", "", 1).isdigit():
+            raise SystemExit(f"bad --step-limits entry {part!r}: want STEP=SECONDS with STEP in {', '.join(STEP_LIMITS)}")
+        out[name] = float(sec)
+    return out
 
 
 def make_tour_dist(site: Path) -> Path:
@@ -166,6 +185,7 @@ def step_env(base: dict, triton_f32: str | None) -> dict:
     env = dict(base, PYTHONUNBUFFERED="1", VLLM_USE_FLASHINFER_SAMPLER="0", TVM_FFI_DISABLE_TORCH_C_DLPACK="1",
                VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                TOKENIZERS_PARALLELISM="false")
+    env.setdefault("NCCL_NVLS_ENABLE", "0")  # TP on the 2-GPU machine: NVLink SHARP multicast stays off
     if triton_f32:
         env[TRITON_F32_ENV] = triton_f32
     return env
@@ -174,11 +194,27 @@ def step_env(base: dict, triton_f32: str | None) -> dict:
 # --- subcommands that run on the GPU machine -------------------------------------------------
 
 
+VARIANTS = {"bf16": {"dtype": "bfloat16"}, "tp1": {"tensor_parallel_size": 1}}
+
+
+def split_variants(name: str) -> tuple[str, dict]:
+    """'tp_chunked+bf16' -> ('tp_chunked', {'dtype': 'bfloat16'}): the scenario file and its engine overrides."""
+    base, *tags = name.split("+")
+    unknown = [t for t in tags if t not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"unknown scenario variant(s) {unknown} in {name!r}; known: {', '.join(VARIANTS)}")
+    return base, {k: v for t in tags for k, v in VARIANTS[t].items()}
+
+
 def _scenario(name: str):
     from ..paths import SCENARIOS_DIR
     from ..scenario import load_scenario
 
-    return load_scenario(SCENARIOS_DIR / f"{name}.toml")
+    base, overrides = split_variants(name)
+    sc = load_scenario(SCENARIOS_DIR / f"{base}.toml")
+    if overrides:
+        sc = sc.model_copy(update={"engine": sc.engine.model_copy(update=overrides)})
+    return sc
 
 
 def cmd_trace(a) -> int:
@@ -213,6 +249,20 @@ def cmd_trace(a) -> int:
     return 0 if all(r["status"] == "ok" for r in results.values()) else 1
 
 
+def max_abs_by_kind(tensors: list[dict]) -> dict[str, dict]:
+    """Worst |Δ| per tensor kind over ranks, layers and steps: 'rank1/tp.all_reduce_out.model.layers.0.mlp.down_proj'
+    is kind all_reduce_out.down_proj, 'attn_out.model.layers.1.self_attn.attn' attn_out.attn."""
+    out: dict[str, dict] = {}
+    for t in tensors:
+        parts = t["name"].rpartition("/")[2].removeprefix("tp.").split(".")
+        kind = f"{parts[0]}.{parts[-1]}" if len(parts) > 1 else parts[0]
+        k = out.setdefault(kind, {"max_abs": 0.0, "n": 0, "out_of_tolerance": 0})
+        k["max_abs"] = max(k["max_abs"], t["max_abs"])
+        k["n"] += 1
+        k["out_of_tolerance"] += not t["ok"]
+    return dict(sorted(out.items()))
+
+
 def cmd_compare(a) -> int:
     from ..compare import harness
 
@@ -223,9 +273,10 @@ def cmd_compare(a) -> int:
         for name in a.scenarios.split(","):
             t0 = time.time()
             try:
-                r = harness.compare(module, harness.SCENARIOS_DIR / f"{name}.toml", upstream_run=traces / name)
+                base, _ = split_variants(name)  # the run recorded the variant's dtype, which the compare follows
+                r = harness.compare(module, harness.SCENARIOS_DIR / f"{base}.toml", upstream_run=traces / name)
                 row = r.to_json()
-                row.pop("tensors", None)  # summary and first out-of-tolerance kept; the full list is long
+                row["max_abs_by_kind"] = max_abs_by_kind(row.pop("tensors", []))  # the full list is long
                 rc = max(rc, r.exit_code)
             except Exception as e:  # noqa: BLE001 - TourError = could not run (exit 2)
                 row = {"scenario": name, "status": "could_not_run", "error": f"{type(e).__name__}: {e}"[:1500]}
@@ -372,7 +423,7 @@ def cmd_all(a) -> int:
             except Exception as e:  # noqa: BLE001
                 results.append(StepResult("pack", "failed", round(time.time() - t0, 1), f"{type(e).__name__}: {e}"))
             continue
-        limit = step_timeout(name, started, a.deadline_s)
+        limit = step_timeout(name, started, a.deadline_s, limits=a.step_limits)
         if limit < 20:
             results.append(StepResult(name, "skipped", 0.0, f"only {limit:.0f} s left before the deadline"))
             print(f"=== {name}: skipped (deadline)", flush=True)
@@ -418,6 +469,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--modules", type=lambda s: [x for x in s.split(",") if x], default=list(MODULES))
     p.add_argument("--race-sides", default="reimpl-graphs,reimpl-eager,upstream-eager,upstream-graphs")
     p.add_argument("--deadline-s", type=float, default=540.0, help="everything, packing included, ends by then")
+    p.add_argument("--step-limits", default="", help="seconds per step instead of STEP_LIMITS', e.g. trace=400,compare=200")
     p.add_argument("--triton-f32", choices=("ieee", "tf32", "tf32x3"), default=None,
                    help="TRITON_F32_DEFAULT for every step (ieee: upstream's Triton attention dots in true fp32)")
     p = common(sub.add_parser("trace"))
@@ -442,6 +494,9 @@ def main(argv=None) -> int:
         unknown = [s for s in a.steps if s not in STEPS]
         if unknown:
             raise SystemExit(f"unknown step(s) {unknown}; known: {', '.join(STEPS)}")
+        a.step_limits = parse_limits(a.step_limits)
+        for name in [*a.trace_scenarios, *a.compare_scenarios]:
+            split_variants(name)
     if a.cmd == "archive":
         print(json.dumps(archive(Path(a.out))), flush=True)
         return 0

@@ -24,6 +24,7 @@ CAPTURE = "tp"
 
 _layer: list[str] = []  # the module whose forward is running the collective (a stack: never nested today)
 _world = {"size": 1, "communicator": ""}
+_names: dict[int, str] = {}  # id(module) -> its name in the model, for layers without `prefix` (v0.21.0's embedding)
 
 
 def digest(t) -> str:
@@ -59,6 +60,7 @@ def _loaded_after(token, result, self, model, *a, **kw):
         return
     R.rank = group.rank_in_group
     _world["communicator"] = communicator(group)
+    _names.update((id(m), name) for name, m in model.named_modules())
     params = dict(model.named_parameters())
     file = None
     if CAPTURE in R.capture:
@@ -88,7 +90,7 @@ weights_loaded = Probe(
 
 def _enter(self, *a, **kw):
     if _world["size"] > 1:
-        _layer.append(self.prefix)
+        _layer.append(getattr(self, "prefix", None) or _names.get(id(self), "?"))
 
 
 def _leave(token, result, self, *a, **kw):
