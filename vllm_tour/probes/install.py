@@ -12,14 +12,15 @@ import os
 
 from ..errors import TourError
 from ..trace.writer import RECORDER
-from . import attention, capture, kv, runner, scheduler
+from . import attention, capture, kv, moe, runner, scheduler
 from .base import Probe, Resolved, install, resolve
 
 PIN_ENV = "VLLM_TOUR_PIN"
 BACKEND_ENV = "VLLM_TOUR_ATTN_BACKEND"  # set by run_upstream: the attention backend the engine runs
 
 # Order matters only for reading: scheduler side, then worker side.
-PROBES: list[Probe] = [*scheduler.PROBES, *kv.PROBES, *runner.PROBES, *attention.PROBES, *capture.PROBES]
+PROBES: list[Probe] = [*scheduler.PROBES, *kv.PROBES, *runner.PROBES, *attention.PROBES, *capture.PROBES,
+                      *moe.PROBES]
 
 
 def current_pin() -> str:
@@ -36,11 +37,12 @@ def probes_for(pin: str, backend: str | None = None, probes: list[Probe] | None 
     """The declarations that apply on `pin` with attention backend `backend` (default: the pin's).
 
     Probes without a backend apply on every pin (resolve() then refuses a pin they
-    were not checked against). Backend-specific ones (attention, capture) are
+    were not checked against), except `own_pins_only` ones, which apply on their pins only. Backend-specific ones (attention, capture) are
     chosen by (pin, backend); a name with no declaration for both is an error.
     """
     probes = PROBES if probes is None else probes
     backend = backend or attention.DEFAULT_BACKEND.get(pin)
+    probes = [p for p in probes if not p.own_pins_only or pin in p.pins]
     out = [p for p in probes if p.backend is None or (p.backend == backend and pin in p.pins)]
     chosen = {p.name for p in out}
     for name in dict.fromkeys(p.name for p in probes if p.backend is not None and p.name not in chosen):

@@ -21,6 +21,7 @@ from .schema import (
     AttentionRecord,
     CaptureRecord,
     KVRecord,
+    MoERecord,
     Outputs,
     ProbeErrorRecord,
     Record,
@@ -41,6 +42,7 @@ class Step:
     attention: dict[int, AttentionRecord] = field(default_factory=dict)  # by TP rank
     captures: list[CaptureRecord] = field(default_factory=list)
     errors: list[ProbeErrorRecord] = field(default_factory=list)
+    moe: dict[int, list[MoERecord]] = field(default_factory=dict)  # by TP/EP rank, in layer order
 
 
 @dataclass
@@ -51,6 +53,7 @@ class Run:
     steps: list[Step]
     errors: list[ProbeErrorRecord]
     warnings: list[str]
+    warmup_moe: list[MoERecord] = field(default_factory=list)  # MoE records of forwards before the first step
 
     @property
     def finished(self) -> bool:
@@ -148,9 +151,13 @@ def load_run(path: str | Path) -> Run:
             elif isinstance(rec, ProbeErrorRecord):
                 s.errors.append(rec)
                 errors.append(rec)
+            elif isinstance(rec, MoERecord):
+                s.moe.setdefault(rec.proc.rank, []).append(rec)
     if meta.engine_args.get("probes", True) and not steps and meta.status == "ok":
         warnings.append("no trace records: the probes did not record (was the vllm-tour plugin installed?)")
     ordered = [steps[k] for k in sorted(steps)]
+    warmup_moe = [r for rank in sorted(steps[0].moe) for r in steps[0].moe[rank]] if 0 in steps else []
     # Step 0 only holds probe errors raised before the first schedule(): keep them, but not as a step.
     ordered = [s for s in ordered if s.index > 0 or s.scheduler or s.runner]
-    return Run(path=path, meta=meta, outputs=outputs, steps=ordered, errors=errors, warnings=warnings)
+    return Run(path=path, meta=meta, outputs=outputs, steps=ordered, errors=errors, warnings=warnings,
+               warmup_moe=warmup_moe)
