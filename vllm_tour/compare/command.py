@@ -34,7 +34,7 @@ def run_compare(module: str, scenario: Path | None, all_scenarios: bool, explain
     results, skipped, failed = [], [], []
     for path in paths:
         sc = load_scenario(path)
-        why = harness.applicable(sc)
+        why = harness.applicable(sc, module)
         if not why and all_scenarios and path.name.startswith("repro_"):
             why = "a repro scenario (run it with `vllm-tour repro`)"
         if why:

@@ -61,7 +61,7 @@ def compare(module: str, scenario_path: Path | str, *, fresh: bool = False, upst
         raise TourError("give impl or engine_factory, not both")
     components = engine_components(module, impl)
     scenario = load_scenario(scenario_path)
-    why = applicable(scenario)
+    why = applicable(scenario, module)
     if why:
         raise TourError(f"scenario {scenario.name}: the reimpl cannot run it: {why}")
     run_dir = Path(upstream_run) if upstream_run else upstream_run_for(scenario, fresh=fresh, progress=progress)
@@ -103,7 +103,8 @@ def compare(module: str, scenario_path: Path | str, *, fresh: bool = False, upst
     re_state: dict[int, dict] = {}
     for res in results:
         step = res.out.step
-        re_steps[step] = {rec["kind"]: rec for rec in res.records}
+        re_steps[step] = {rec["kind"]: rec for rec in res.records if rec["kind"] != "moe"}
+        re_steps[step]["moe"] = [rec for rec in res.records if rec["kind"] == "moe"]
         re_steps[step]["attention"] = diffs.reimpl_attention(re_steps[step].get("runner"), re_steps[step].get("kv"))
         re_tensors[step] = res.tensors
         re_state[step] = res.state

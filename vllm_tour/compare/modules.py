@@ -4,8 +4,8 @@ This is the one place a module name is written. Standard library only: the GPU r
 (vllm_tour/gpu/runner.py) reads it on a machine without pydantic.
 
 Every module is judged on tokens. `sections` are the per-step records compared besides
-(scheduler decisions, KV state, runner inputs, attention metadata), `captures` the
-tensors compared per layer (none: not judged on tensors).
+(scheduler decisions, KV state, runner inputs, attention metadata, MoE routing and expert
+placement), `captures` the tensors compared per layer (none: not judged on tensors).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ class CompareModule:
     triton: bool = False  # a Triton kernel: compiled on a GPU, the Triton interpreter without one
     needs_gpu: bool = False
     world_size: int = 1
+    moe_only: bool = False  # judged on MoE models only (a dense scenario is skipped)
 
 
 MODULES: dict[str, CompareModule] = {m.name: m for m in (
@@ -48,6 +49,11 @@ MODULES: dict[str, CompareModule] = {m.name: m for m in (
         "reimpl.triton_attn", "the mini engine with reimpl/triton_attn.py's Triton kernel as its attention",
         components={**REFERENCE, "paged_attention": "reimpl.triton_attn:engine_attention"},
         sections=("scheduler", "kv", "runner", "attention"), captures=("attn_out", "kv_blocks"), triton=True),
+    CompareModule(
+        "reimpl.ep", "expert parallelism: the Qwen3-MoE block's routing, and its experts placed on 2 simulated "
+        "ranks, run locally and all-reduced (reimpl/ep.py)",
+        components={**REFERENCE, "moe": "reimpl.ep:expert_parallel_moe"},
+        sections=("scheduler", "kv", "runner", "moe"), captures=("router_logits", "moe_out"), moe_only=True),
 )}
 
 # What upstream is asked to capture: every module's tensors, so that one upstream run serves them all.

@@ -30,15 +30,24 @@ def pin_policies(pin: str | None) -> dict:
     return dict(PIN_POLICIES.get(pin or "", {}))
 
 
-def applicable(scenario) -> str | None:
-    """Why the reimpl cannot run this scenario, or None if it can."""
+def applicable(scenario, module: str | None = None) -> str | None:
+    """Why the reimpl (for `module`) cannot run this scenario, or None if it can."""
     if scenario.engine.tensor_parallel_size != 1:
         return f"tensor_parallel_size={scenario.engine.tensor_parallel_size} (the reimpl engine is single-device)"
-    if "moe" in scenario.model.lower():
-        return f"model {scenario.model} is MoE (reimpl/qwen3.py is the dense Qwen3)"
+    if module and get_module(module).moe_only and not is_moe_model(scenario.model):
+        return f"model {scenario.model} is dense ({module} judges MoE routing and expert placement)"
     if scenario.engine.dtype not in DTYPES:
         return f"dtype {scenario.engine.dtype} (the reimpl runs float32 or bfloat16)"
     return None
+
+
+def is_moe_model(name: str) -> bool:
+    """The scenario's model is a Qwen3-MoE (read from its config.json; a tiny one is generated if need be)."""
+    from reimpl.moe import is_moe
+
+    from ..models import resolve_model
+
+    return is_moe(json.loads((resolve_model(name) / "config.json").read_text()))
 
 
 def check_module(module: str) -> None:

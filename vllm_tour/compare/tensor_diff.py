@@ -1,4 +1,5 @@
-"""Tensor diffs: upstream's captured attention outputs and KV blocks against the reimpl's, per step and layer."""
+"""Tensor diffs: upstream's captured attention outputs, KV blocks, router logits and MoE outputs against the
+reimpl's, per step and layer."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ from ..probes.kv_layout import CANONICAL_LAYOUT
 from . import diffs
 from .diffs import TensorStat
 from .upstream import load_capture
+
+
+TOKEN_ROWS = ("attn_out.", "router_logits.", "moe_out.")  # one row per token of the step, in batch order
 
 
 def diff_tensors(run_dir, up_steps, re_steps, re_tensors, atol, rtol) -> list[TensorStat]:
@@ -24,7 +28,7 @@ def diff_tensors(run_dir, up_steps, re_steps, re_tensors, atol, rtol) -> list[Te
             if mine is None:
                 continue
             up_t = load_capture(run_dir, rec)
-            if name.startswith("attn_out.") and up_runner and re_runner:
+            if name.startswith(TOKEN_ROWS) and up_runner and re_runner:
                 # lay the reimpl rows out in upstream's batch order
                 qsl = re_runner["query_start_loc"]
                 where = {rid: (qsl[i], qsl[i + 1]) for i, rid in enumerate(re_runner["req_ids"])}

@@ -34,7 +34,7 @@ from .writer import CAPTURE_ENV, CAPTURE_STEPS_ENV, RECORDER, RUN_DIR_ENV, write
 Progress = Callable[[int, int, int], None]  # (engine steps done, requests finished, requests total)
 DEFAULT_KV_BYTES = 64 << 20
 MAX_STEPS = 100_000  # a guard against an engine that never finishes
-CAPTURE_NAMES = ("attn_out", "kv_blocks")
+CAPTURE_NAMES = ("attn_out", "kv_blocks", "router_logits", "moe_out", "moe_partial")  # probes/capture.py, probes/moe.py
 
 _ENV_PREFIXES = ("VLLM_", "OMP_", "KMP_", "MKL_", "TORCH_", "PYTORCH_", "TRITON_", "CUDA_VISIBLE_DEVICES", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "LD_PRELOAD")
 _SECRET = re.compile(r"KEY|TOKEN|SECRET|PASSW|AUTH|CREDENTIAL", re.I)
