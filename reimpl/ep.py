@@ -89,7 +89,8 @@ def dispatch_combine_moe(token_shards: list[torch.Tensor], gate_weight: torch.Te
     """EP with DP > 1, one rank per token shard: route locally, dispatch (token, expert) pairs to the
     experts' ranks, compute there, send back and combine on the token's rank. Returns each shard's output."""
     ep_size = len(token_shards)
-    maps = [determine_expert_map(ep_size, r, len(experts), placement)[1] for r in range(ep_size)]
+    identity = list(range(len(experts)))  # one rank: every expert local, in order
+    maps = [determine_expert_map(ep_size, r, len(experts), placement)[1] or identity for r in range(ep_size)]
     owner = [next(r for r in range(ep_size) if maps[r][g] >= 0) for g in range(len(experts))]
     routings = [route(h, gate_weight, top_k, renormalize) for h in token_shards]
     # dispatch: inbox[dst] collects (source rank, token row, k, the token's hidden state) for dst's experts
