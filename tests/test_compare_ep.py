@@ -101,3 +101,18 @@ def test_cli_all_scenarios_skips_dense_ones(upstream_run, tmp_path):
     assert {s["scenario"] for s in report["scenarios"]} == set(MOE)
     why = {s["scenario"]: s["why"] for s in report["skipped"]}
     assert "is dense" in why["cmp_single"] and "tensor_parallel_size=2" in why["repro_ep_tp2_cpu"]
+
+
+def test_show_has_the_expert_view(upstream_run):
+    """`show` draws tokens per expert per step and layer from the probe's records; `--step` lists them."""
+    up = upstream_run("cmp_moe_batch")
+    res = CliRunner().invoke(app, ["show", str(up.run_dir)], env={"COLUMNS": "160"})
+    assert res.exit_code == 0, res.output
+    assert "experts: tokens per expert per step (4 experts, 2 MoE" in res.output
+    for step in (1, 2):
+        counts = [" ".join(f"{n:>3}" for n in m["tokens_per_expert"]) for m in up.steps[step]["moe"]]
+        assert any(line.split("│")[1:2] == [f"{step:>5} "] and all(c in line for c in counts)
+                   for line in res.output.splitlines()), (step, counts)
+    res = CliRunner().invoke(app, ["show", str(up.run_dir), "--step", "2"], env={"COLUMNS": "300"})
+    m = up.steps[2]["moe"][1]
+    assert f"MoE layer 1 (rank 0): {m['kernel']}, 4/4 experts local, expert map None; tokens per expert {m['tokens_per_expert']}" in res.output

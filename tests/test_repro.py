@@ -50,6 +50,13 @@ def test_ep_at_tp2_kills_the_engine_reproduced_and_the_trace_is_kept(tmp_path):
         r = records[0]
         assert r.num_local_experts == 2 and r.num_experts == 4 and r.kernel.startswith("CPUUnquantizedExperts")
         assert max(e for row in r.topk_ids for e in row) >= r.num_local_experts
+    # `show --step 1` prints each rank's record: its map and the global ids its kernel got
+    from typer.testing import CliRunner
+
+    from vllm_tour.cli import app
+
+    shown = CliRunner().invoke(app, ["show", str(tmp_path / "run"), "--step", "1"], env={"COLUMNS": "300"}).output
+    assert "MoE layer 0 (rank 1): CPUUnquantizedExperts/vec, 2/4 experts local, expert map [-1, -1, 0, 1]" in shown
     # the same evidence refutes the opposite claim, and a wrong map is named
     sc = load_scenario(SCENARIOS_DIR / "repro_ep_tp2_cpu.toml")
     sc.expect.moe_kernel_ids_out_of_range = False
