@@ -50,6 +50,8 @@ def test_ep_at_tp2_kills_the_engine_reproduced_and_the_trace_is_kept(tmp_path):
         r = records[0]
         assert r.num_local_experts == 2 and r.num_experts == 4 and r.kernel.startswith("CPUUnquantizedExperts")
         assert max(e for row in r.topk_ids for e in row) >= r.num_local_experts
+        local = sorted((slot, g) for g, slot in enumerate(r.expert_map) if slot >= 0)
+        assert r.local_tokens_per_expert == [sum(row.count(g) for row in r.topk_ids) for _, g in local]
     # `show --step 1` prints each rank's record: its map and the global ids its kernel got
     from typer.testing import CliRunner
 

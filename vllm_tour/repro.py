@@ -210,8 +210,8 @@ def check_expectations(sc: Scenario, run: Run, failure: str | None, log_errors: 
 
 
 def _moe_records(run: Run) -> list:
-    """Every MoE record (warm-up first, then by step), in the order the layers ran on each rank."""
-    return [*run.warmup_moe, *(r for s in run.steps for rank in sorted(s.moe) for r in s.moe[rank])]
+    """Every MoE record by step, in the order the layers ran on each rank."""
+    return [r for s in run.steps for rank in sorted(s.moe) for r in s.moe[rank]]
 
 
 def _expert_map_checks(want: dict[int, list[int]], run: Run, failure: str | None) -> list[Check]:

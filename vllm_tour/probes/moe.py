@@ -7,8 +7,7 @@ kernel), and back in `forward` the TP/EP all-reduce (`_maybe_reduce_final_output
   MoERecord (one per layer, step and rank)  written by the experts kernel's probe *before* the kernel
                         runs, and flushed: the top-k ids it is handed, the local expert count (rows of
                         its weight tables) and the expert map, so a kernel that kills the worker still
-                        leaves what it was given. Forwards before the first step (warm-up) are recorded
-                        once per layer, at step 0.
+                        leaves what it was given. Only forwards of engine steps are recorded.
   router_logits.layers.<i>  captures (with --capture): the gate's logits [num_tokens, num_experts]
   moe_out.layers.<i>        the MoE block's output after the all-reduce [num_tokens, hidden]
   moe_partial.layers.<i>    with TP/EP > 1: this rank's output before the all-reduce
@@ -25,14 +24,13 @@ CPU_EXPERTS = "vllm.model_executor.layers.fused_moe.experts.cpu_moe.CPUUnquantiz
 NAMES = ("router_logits", "moe_out", "moe_partial")
 
 _layer = [-1]  # the layer whose MoE block runs now (set by the runner probe, read by the kernel probe)
-_warm_layers: set[int] = set()  # layers recorded during warm-up (step 0) in this process
 
 
 def _apply_before(self, hidden_states, router_logits, *a, **kw):
     layer = _layer[0] = self.layer_id
     name = f"router_logits.layers.{layer}"
     if R.in_execute and R.should_capture(name, R.worker_step):
-        R.captures[name] = router_logits.detach().to("cpu", dtype=router_logits.dtype, copy=True)
+        R.captures[name] = router_logits.detach().to("cpu", copy=True)
         R.capture_meta[name] = {}
 
 
@@ -59,13 +57,8 @@ def _counts(ids: list[list[int]], n: int) -> list[int]:
 
 def _experts_before(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation,
                     global_num_experts, expert_map, *a, **kw):
-    layer = _layer[0]
     if not R.in_execute:
-        if R.worker_step or layer in _warm_layers:
-            return
-        _warm_layers.add(layer)
-    if R.worker_step == 0 and R.rank == 0:
-        R.rank = _ep_rank()  # warm-up runs before the runner probe learns the rank
+        return
     ids = topk_ids.tolist()
     local = int(w1.shape[0])
     emap = expert_map.tolist() if expert_map is not None else None
@@ -77,21 +70,12 @@ def _experts_before(self, output, hidden_states, w1, w2, topk_weights, topk_ids,
             if 0 <= emap[e] < local:
                 local_counts[emap[e]] += n
     R.write({  # a schema.MoERecord; flushed now: the kernel that follows may kill this process
-        "step": R.worker_step, "proc": R.proc_dict("worker"), "kind": "moe", "layer": layer,
+        "step": R.worker_step, "proc": R.proc_dict("worker"), "kind": "moe", "layer": _layer[0],
         "num_tokens": len(ids), "num_experts": num_experts, "num_local_experts": local, "expert_map": emap,
         "topk_ids": ids, "topk_weights": topk_weights.float().tolist(),
         "tokens_per_expert": per_expert, "local_tokens_per_expert": local_counts,
         "kernel": f"{type(self).__name__}/{getattr(self, 'isa', '?')}",
     })
-
-
-def _ep_rank() -> int:
-    try:
-        from vllm.distributed import get_ep_group
-
-        return int(get_ep_group().rank_in_group)
-    except Exception:
-        return 0
 
 
 cpu_experts = Probe(

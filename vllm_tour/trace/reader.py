@@ -53,7 +53,6 @@ class Run:
     steps: list[Step]
     errors: list[ProbeErrorRecord]
     warnings: list[str]
-    warmup_moe: list[MoERecord] = field(default_factory=list)  # MoE records of forwards before the first step
 
     @property
     def finished(self) -> bool:
@@ -156,8 +155,6 @@ def load_run(path: str | Path) -> Run:
     if meta.engine_args.get("probes", True) and not steps and meta.status == "ok":
         warnings.append("no trace records: the probes did not record (was the vllm-tour plugin installed?)")
     ordered = [steps[k] for k in sorted(steps)]
-    warmup_moe = [r for rank in sorted(steps[0].moe) for r in steps[0].moe[rank]] if 0 in steps else []
     # Step 0 only holds probe errors raised before the first schedule(): keep them, but not as a step.
     ordered = [s for s in ordered if s.index > 0 or s.scheduler or s.runner]
-    return Run(path=path, meta=meta, outputs=outputs, steps=ordered, errors=errors, warnings=warnings,
-               warmup_moe=warmup_moe)
+    return Run(path=path, meta=meta, outputs=outputs, steps=ordered, errors=errors, warnings=warnings)

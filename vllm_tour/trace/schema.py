@@ -176,7 +176,7 @@ class AttentionRecord(_Record):
 
 class MoERecord(_Record):
     """One MoE layer's routing as this rank's experts kernel received it (written before the kernel runs,
-    so a kernel that kills the process still leaves it). Step 0: a warm-up forward before the first step."""
+    so a kernel that kills the process still leaves it)."""
 
     kind: Literal["moe"] = "moe"
     layer: int  # decoder layer index
