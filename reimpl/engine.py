@@ -4,7 +4,8 @@ Upstream counterparts (v0.32.0):
 - `vllm.v1.engine.core.EngineCore.step` (schedule -> execute_model -> update_from_output)
 - `vllm.v1.worker.gpu_model_runner.GPUModelRunner._prepare_inputs` (flatten the
   batch: input ids, positions, query_start_loc, seq_lens, slot mapping,
-  logits indices), as used by `vllm.v1.worker.cpu_model_runner.CPUModelRunner`
+  logits indices), as used by `vllm.v1.worker.cpu_model_runner.CPUModelRunner`;
+  the batch's row order is upstream's persistent batch order (input_batch.py)
 
 A Qwen3-MoE checkpoint runs as moe.Qwen3MoE, its MoE blocks through the `moe` component
 (moe.moe_block; ep.expert_parallel_moe splits the experts over simulated ranks); each step then
@@ -28,6 +29,8 @@ import torch
 
 from .block_pool import BlockPool
 from .chunked_prefill import Scheduler, SchedulerOutput
+from .config import EngineConfig, RequestIn, admit_arrivals
+from .input_batch import InputBatch
 from .kv_cache_manager import KVCacheManager
 from . import paged_attn
 from .moe import Qwen3MoE, is_moe, moe_block
@@ -35,37 +38,6 @@ from .paged_attn import BatchMeta
 from .qwen3 import Qwen3
 from .request import Request
 from .sampler import Sampler
-
-
-@dataclass
-class EngineConfig:
-    model_dir: str
-    block_size: int = 32
-    num_blocks: int = 64  # including the null block 0, as upstream counts num_gpu_blocks
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 256
-    max_model_len: int = 2048
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    reserve_full_sequence: bool = True  # upstream scheduler_reserve_full_isl
-    # Free-queue order of freed blocks (block_pool.FREE_POLICIES): "uncached_to_front"
-    # mirrors v0.32.0, "append_all" mirrors v0.21.0. Chosen per pin by the harness.
-    free_policy: str = "uncached_to_front"
-    dtype: str = "float32"  # or "bfloat16": weights, activations and the KV cache (see qwen3.py)
-    # Round the softmax weights to bf16 before P·V, as upstream's AMX CPU kernel does
-    # (paged_attn.paged_attention). Chosen by the harness from the ISA upstream recorded.
-    bf16_attention_weights: bool = False
-
-
-@dataclass
-class RequestIn:
-    req_id: str
-    prompt_token_ids: list[int]
-    max_tokens: int
-    temperature: float = 0.0
-    seed: int | None = None
-    arrival_step: int = 0  # added before schedule() call number arrival_step + 1
-    eos_token_id: int | None = None
 
 
 @dataclass
@@ -108,6 +80,24 @@ class Engine:
         self.greedy: dict[str, list[int]] = {}
         self.topk: dict[str, list[list[int]]] = {}
         self.current_step: StepResult | None = None
+        self.input_batch = InputBatch()
+        self.steps_done = 0
+        # (step, what the engine is doing): the step it is in or about to start, and the decision or
+        # phase ("schedule", "allocate_slots for r1", "model forward", "sample r1", ...). Should a
+        # component raise, this says where (compare reports it); the traceback only says which line.
+        self.where: tuple[int, str] = (1, "start")
+        for name in ("get_computed_blocks", "allocate_slots", "free"):  # the scheduler's calls into the KV manager
+            setattr(self.kv, name, self._tracked(name, getattr(self.kv, name)))
+
+    def _tracked(self, name: str, method: Callable) -> Callable:
+        def tracked_call(request, *args, **kwargs):
+            step, phase = self.where
+            self.where = (step, f"{name} for {request.req_id}")
+            result = method(request, *args, **kwargs)
+            self.where = (step, phase)
+            return result
+
+        return tracked_call
 
     # --- the loop ----------------------------------------------------------------
 
@@ -116,14 +106,8 @@ class Engine:
         results: list[StepResult] = []
         step = 0  # engine step calls so far (arrival_step counts these)
         while (pending or self.scheduler.has_unfinished()) and step < max_steps:
-            # A request arrives before engine step number arrival_step; an idle
-            # engine would not step at all, so then the next request arrives now.
-            while pending and (pending[0].arrival_step <= step or not self.scheduler.has_unfinished()):
-                r = pending.pop(0)
-                self.scheduler.add_request(Request(
-                    r.req_id, list(r.prompt_token_ids), r.max_tokens, r.temperature, r.seed,
-                    r.eos_token_id, r.arrival_step,
-                ))
+            self.where = (self.steps_done + 1, "add_request")
+            admit_arrivals(pending, self.scheduler, step)
             res = self.step(capture)
             results.append(res)
             if on_step:
@@ -133,7 +117,9 @@ class Engine:
 
     def step(self, capture: tuple[str, ...] = ()) -> StepResult:
         t0 = time.time()
+        n = self.steps_done + 1
         waiting_before, running_before = len(self.scheduler.waiting), len(self.scheduler.running)
+        self.where = (n, "schedule")
         out = self.scheduler.schedule()
         freed, evicted = self.kv.block_pool.take_events()
         t1 = time.time()
@@ -142,11 +128,15 @@ class Engine:
         res = StepResult(out, records, {}, self.snapshot(out))
         self.current_step = res  # what is known of this step so far, should the model run fail
         sampled: dict[str, int] = {}
+        self.where = (n, "batch order")
+        rows = self.input_batch.update(out.scheduled)  # upstream updates its batch on empty steps too
         if out.scheduled:
-            runner, sampled, res.tensors = self._execute(out, capture)
+            runner, sampled, res.tensors = self._execute(out, rows, capture)
             records.append(runner)
             records += self._moe_records(out.step)
+        self.where = (n, "update_from_output")
         self.scheduler.update_from_output(out, sampled)
+        self.steps_done = n
         return res
 
     def snapshot(self, out: SchedulerOutput) -> dict:
@@ -170,10 +160,10 @@ class Engine:
 
     # --- the model runner --------------------------------------------------------------
 
-    def prepare_inputs(self, out: SchedulerOutput):
-        """Flatten the scheduled requests into one batch (upstream _prepare_inputs)."""
+    def prepare_inputs(self, batch: list):
+        """Flatten the scheduled requests (`Scheduled`s in batch order) into one batch (upstream _prepare_inputs)."""
         input_ids, positions, qsl, seq_lens, tables, slots, logits_idx = [], [], [0], [], [], [], []
-        for s in out.scheduled:
+        for s in batch:
             req = self.scheduler.requests[s.req_id]
             start = s.num_computed_tokens  # first position computed this step
             pos = list(range(start, start + s.num_tokens))
@@ -184,17 +174,25 @@ class Engine:
             tables.append(table)
             seq_lens.append(start + s.num_tokens)
             qsl.append(qsl[-1] + s.num_tokens)
-            logits_idx.append(qsl[-1] - 1)  # last token of each request
+            # last token of each request, also of a prefill chunk that samples nothing: upstream
+            # computes logits for every row (query_start_loc[1:] - 1) and drops the chunks' tokens later
+            logits_idx.append(qsl[-1] - 1)
         return input_ids, positions, BatchMeta(qsl, seq_lens, tables, slots), logits_idx
 
-    def _execute(self, out: SchedulerOutput, capture: tuple[str, ...]):
-        input_ids, positions, meta, logits_idx = self.prepare_inputs(out)
+    def _execute(self, out: SchedulerOutput, rows: list[str], capture: tuple[str, ...]):
+        step = self.where[0]
+        by_id = {s.req_id: s for s in out.scheduled}
+        batch = [by_id[rid] for rid in rows]
+        self.where = (step, "prepare inputs")
+        input_ids, positions, meta, logits_idx = self.prepare_inputs(batch)
+        self.where = (step, "model forward")
         with torch.no_grad():
             hidden = self.model.forward(input_ids, positions, meta, self.caches)
             # upstream's sampler works on fp32 logits (the model's bf16 values, widened)
             logits = self.model.logits(hidden[torch.tensor(logits_idx)]).float()
         sampled: dict[str, int] = {}
-        for i, s in enumerate(out.scheduled):
+        for i, s in enumerate(batch):
+            self.where = (step, f"sample {s.req_id}")
             req = self.scheduler.requests[s.req_id]
             # Only a request whose whole sequence is now computed gets a token;
             # a prefill chunk that stops short of the prompt end samples nothing.
@@ -208,6 +206,7 @@ class Engine:
                 sampled[s.req_id] = forced[req.num_output_tokens]
             else:
                 sampled[s.req_id] = self.sampler.sample(s.req_id, logits[i], req.temperature, req.seed)
+        self.where = (step, "capture")
         tensors: dict[str, torch.Tensor] = {}
         for name in capture:
             if name.startswith("attn_out.layers."):
@@ -225,8 +224,8 @@ class Engine:
         runner = {
             "kind": "runner", "step": out.step, "proc": self.proc,
             "num_tokens": len(input_ids),
-            "req_ids": [s.req_id for s in out.scheduled],
-            "num_scheduled_tokens": [s.num_tokens for s in out.scheduled],
+            "req_ids": rows,
+            "num_scheduled_tokens": [s.num_tokens for s in batch],
             "input_ids": {"full": input_ids, "length": len(input_ids)},
             "positions": {"full": positions, "length": len(positions)},
             "query_start_loc": meta.query_start_loc,

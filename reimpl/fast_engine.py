@@ -1,12 +1,14 @@
 """The mini engine's *performance path*: same decisions, GPU-shaped execution.
 
 `reimpl/engine.py` is written to be read and diffed: every step it builds
-trace records, keeps fp32 weights on the CPU and attends request by request.
-This file keeps everything that *decides* -- the same `Scheduler`
-(chunked_prefill.py), `KVCacheManager` and `BlockPool` objects, so batch
-composition, chunking, block ids, prefix hits and preemptions are exactly the
-mini engine's -- and changes only how a step is *executed*, the way a real
-engine's model runner does:
+trace records, keeps its weights on the CPU and attends request by request.
+This file keeps everything that *decides* -- the same `EngineConfig` and
+`RequestIn` (config.py), the same `Scheduler` (chunked_prefill.py),
+`KVCacheManager` and `BlockPool` objects, so batch composition, chunking,
+block ids, prefix hits and preemptions are exactly the mini engine's -- and
+the same numerics (qwen3_numerics.py: where fp32 becomes bf16), so on the CPU
+its greedy tokens are the mini engine's in fp32 and in bf16. It changes only
+how a step is *executed*, the way a real engine's model runner does:
 
 - weights on the GPU in bf16, with the projections that read the same input
   fused into one matmul (q|k|v, gate|up), as upstream's `QKVParallelLinear` /
@@ -24,7 +26,7 @@ engine's model runner does:
   9 kernels per layer instead of ~61 (on the CPU the torch ops stay);
 - logits only for the rows that sample (upstream `logits_indices`), sampling
   batched on the device;
-- async scheduling (`FastConfig.async_scheduling`, reimpl/async_scheduler.py):
+- async scheduling (`EngineConfig.async_scheduling`, reimpl/async_scheduler.py):
   step t+1 is scheduled and launched before step t's tokens reach the host;
   a decode whose input token is still in flight gets it from step t's sampled
   tensor on the device, and the inputs go up through pinned memory without
@@ -56,8 +58,9 @@ import torch.nn.functional as F
 
 from .async_scheduler import AsyncScheduler
 from .chunked_prefill import Scheduler, SchedulerOutput
+from .config import EngineConfig, RequestIn, admit_arrivals
 from .kv_cache_manager import KVCacheManager
-from .request import Request
+from .qwen3_numerics import add_rms_norm, apply_rope, rms_norm, rope_cos_sin, silu_and_mul
 
 AttnFn = Callable[..., torch.Tensor]  # (q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, max_seqlen_q) -> out
 
@@ -80,7 +83,7 @@ def default_attn_fn(device: torch.device) -> AttnFn:
 
 
 # --------------------------------------------------------------------------
-# The model: Qwen3 (same math as reimpl/qwen3.py), fused projections, on a device
+# The model: Qwen3 (qwen3.py's numerics, from qwen3_numerics.py), fused projections, on a device
 # --------------------------------------------------------------------------
 class FastQwen3:
     def __init__(self, cfg: dict, weights: dict[str, torch.Tensor], device="cuda", dtype=torch.bfloat16,
@@ -119,12 +122,9 @@ class FastQwen3:
             })  # fmt: skip
         self.norm = W("model.norm.weight")
         self.lm_head = W("lm_head.weight") if "lm_head.weight" in weights else self.embed
-        # RoPE table (neox halves), fp32, indexed by position.
-        theta = c.get("rope_theta", 10000.0)
-        inv = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim))
-        freqs = torch.outer(torch.arange(c["max_position_embeddings"], dtype=torch.float32), inv)
-        self.cos = freqs.cos().to(self.device).contiguous()
-        self.sin = freqs.sin().to(self.device).contiguous()
+        # RoPE tables [max_pos, head_dim / 2] (neox halves) in the model dtype, indexed by position.
+        cos, sin = rope_cos_sin(c["max_position_embeddings"], self.head_dim, c.get("rope_theta", 10000.0), dtype)
+        self.cos, self.sin = cos.to(self.device).contiguous(), sin.to(self.device).contiguous()
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, device="cuda", dtype=torch.bfloat16, fused: bool | None = None) -> "FastQwen3":
@@ -171,41 +171,31 @@ class FastQwen3:
         return [(torch.zeros(shape, device=self.device, dtype=self.dtype),
                  torch.zeros(shape, device=self.device, dtype=self.dtype)) for _ in range(self.num_layers)]
 
-    def _rms(self, x, w):
-        # fp32 statistics, as upstream's RMSNorm kernel does for bf16
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * w
-
-    def _rope(self, x, cos, sin):
-        half = self.head_dim // 2
-        xf = x.float()
-        x1, x2 = xf[..., :half], xf[..., half:]
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
-
     def forward(self, input_ids, positions, slot_mapping, block_table, cu_seqlens_q, seq_lens, max_seqlen_q: int,
                 caches, attn_fn: AttnFn) -> torch.Tensor:
         """Hidden states [num_tokens, hidden] after the final norm (all tensors on self.device)."""
         if self.fused:
             return self._forward_fused(input_ids, positions, slot_mapping, block_table, cu_seqlens_q, seq_lens,
                                        max_seqlen_q, caches, attn_fn)
-        n, nh, kvh, hd = input_ids.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-        x = self.embed[input_ids]
-        for L, (kc, vc) in zip(self.layers, caches):
-            h = self._rms(x, L["ln1"])
+        n, nh, kvh, hd, eps = input_ids.shape[0], self.num_heads, self.num_kv_heads, self.head_dim, self.eps
+        cos, sin = self.cos[positions], self.sin[positions]
+        x = self.embed[input_ids]  # the residual stream
+        h = rms_norm(x, self.layers[0]["ln1"], eps)
+        for i, (L, (kc, vc)) in enumerate(zip(self.layers, caches)):
             qkv = F.linear(h, L["qkv"])
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = self._rope(self._rms(q.reshape(n, nh, hd), L["q_norm"]), cos, sin)
-            k = self._rope(self._rms(k.reshape(n, kvh, hd), L["k_norm"]), cos, sin)
+            q = apply_rope(rms_norm(q.reshape(n, nh, hd), L["q_norm"], eps), cos, sin)
+            k = apply_rope(rms_norm(k.reshape(n, kvh, hd), L["k_norm"], eps), cos, sin)
             # write this step's K/V into their slots (slot = block * block_size + offset)
             kc.view(-1, kvh, hd).index_copy_(0, slot_mapping, k)
             vc.view(-1, kvh, hd).index_copy_(0, slot_mapping, v.reshape(n, kvh, hd))
             o = attn_fn(q.contiguous(), kc, vc, block_table, cu_seqlens_q, seq_lens, max_seqlen_q)
-            x = x + F.linear(o.reshape(n, nh * hd), L["o"])
-            h = self._rms(x, L["ln2"])
+            x, h = add_rms_norm(x, F.linear(o.reshape(n, nh * hd), L["o"]), L["ln2"], eps)
             gate, up = F.linear(h, L["gate_up"]).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, L["down"])
-        return self._rms(x, self.norm)
+            # the next layer's input norm, or after the last layer the final norm
+            norm = self.layers[i + 1]["ln1"] if i + 1 < self.num_layers else self.norm
+            x, h = add_rms_norm(x, F.linear(silu_and_mul(gate, up), L["down"]), norm, eps)
+        return h
 
     def _forward_fused(self, input_ids, positions, slot_mapping, block_table, cu_seqlens_q, seq_lens,
                        max_seqlen_q: int, caches, attn_fn: AttnFn) -> torch.Tensor:
@@ -239,32 +229,6 @@ class FastQwen3:
 # --------------------------------------------------------------------------
 # The engine loop: reimpl's scheduler, a GPU-shaped model runner
 # --------------------------------------------------------------------------
-@dataclass
-class FastConfig:
-    block_size: int = 16
-    num_blocks: int = 1024  # including the null block 0
-    max_num_batched_tokens: int = 16384
-    max_num_seqs: int = 1024
-    max_model_len: int = 4096
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    cuda_graphs: bool = True
-    # Schedule step t+1 before step t's tokens are back (reimpl/async_scheduler.py; upstream's default).
-    async_scheduling: bool = False
-    graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, *range(16, 257, 16))
-    seed: int = 0
-
-
-@dataclass
-class FastRequest:
-    req_id: str
-    prompt_token_ids: list[int]
-    max_tokens: int
-    temperature: float = 0.0
-    eos_token_id: int | None = None  # None: ignore EOS
-    arrival_step: int = 0  # as in engine.RequestIn: added before engine step number arrival_step
-
-
 @dataclass
 class StepInputs:
     """One step's model inputs on the host (upstream: the persistent input batch's numpy views)."""
@@ -309,14 +273,16 @@ class RunStats:
 
 
 class FastEngine:
-    def __init__(self, model: FastQwen3, cfg: FastConfig, attn_fn: AttnFn | None = None):
+    def __init__(self, model: FastQwen3, cfg: EngineConfig, attn_fn: AttnFn | None = None):
         self.model, self.cfg = model, cfg
         self.device = model.device
         self.attn_fn = attn_fn or default_attn_fn(self.device)
-        self.kv = KVCacheManager(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching, cfg.max_model_len)
+        # the teaching engine's KV manager and scheduler, built from the same config fields (pin policies included)
+        self.kv = KVCacheManager(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching, cfg.max_model_len,
+                                 cfg.free_policy)
         scheduler_cls = AsyncScheduler if cfg.async_scheduling else Scheduler
         self.scheduler = scheduler_cls(self.kv, cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.max_model_len,
-                                       cfg.enable_chunked_prefill)
+                                       cfg.enable_chunked_prefill, cfg.reserve_full_sequence)
         self.caches = model.new_kv_caches(cfg.num_blocks, cfg.block_size)
         # Persistent block table: one row per running request (upstream BlockTable).
         self.max_blocks = math.ceil(cfg.max_model_len / cfg.block_size)
@@ -522,7 +488,7 @@ class FastEngine:
         return self.g_out[g][:n]
 
     # --- the loop -----------------------------------------------------------------------
-    def generate(self, requests: list[FastRequest], max_steps: int = 1_000_000, on_step=None) -> dict[str, list[int]]:
+    def generate(self, requests: list[RequestIn], max_steps: int = 1_000_000, on_step=None) -> dict[str, list[int]]:
         """Run every request to completion; returns output token ids per request.
 
         Arrivals as in `engine.Engine.run`; `on_step(out, sampled)` sees each
@@ -534,10 +500,7 @@ class FastEngine:
         step, in_flight = 0, None
         while (pending or sched.has_unfinished()) and step < max_steps:
             h0 = time.perf_counter()
-            while pending and (pending[0].arrival_step <= step or not sched.has_unfinished()):
-                r = pending.pop(0)
-                sched.add_request(Request(r.req_id, list(r.prompt_token_ids), r.max_tokens, r.temperature, None,
-                                          r.eos_token_id, r.arrival_step))
+            admit_arrivals(pending, sched, step)
             out = sched.schedule()
             step += 1
             self.stats.steps += bool(out.scheduled)

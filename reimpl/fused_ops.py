@@ -27,14 +27,24 @@ q/k-norm+RoPE+cache write, attention, SiLU*mul):
 |                           | `vllm.model_executor.layers.activation.SiluAndMul`)               |
 
 Numerics: bf16 in, bf16 out, statistics in fp32, and the *same roundings*
-as the torch path of `FastQwen3` (and upstream's kernels): the residual sum
-is rounded to the activation dtype before it is normalised, the normalised
-value is rounded before the weight multiplies it, silu(gate) is rounded
-before it multiplies up. So fused and unfused paths differ only by the order
-of a sum and by rsqrt's last bit.
+as `reimpl/qwen3_numerics.py`, which the teaching model (qwen3.py) and the
+torch path of `FastQwen3` both call:
+- `_add_rms_norm_kernel`: the residual sum is normalised in fp32 *unrounded*
+  and stored rounded to the residual's dtype; the normalised value is rounded
+  before the weight multiplies it, and the product is rounded
+  (qwen3_numerics.add_rms_norm / rms_norm);
+- `_qk_norm_rope_kv_kernel`: the same two roundings for the per-head q/k norm;
+  the cos/sin tables come in the model dtype (qwen3_numerics.rope_cos_sin,
+  already rounded), the rotation runs in fp32 and is rounded once
+  (qwen3_numerics.apply_rope);
+- `_silu_and_mul_kernel`: silu(gate) is rounded before it multiplies up
+  (qwen3_numerics.silu_and_mul).
+So fused and unfused paths differ only by the order of a sum and by rsqrt's
+last bit.
 
-Each function has a torch twin (`*_ref`) that states what it computes;
-tests/test_fused_ops.py runs both on CPU under TRITON_INTERPRET=1.
+Each function has a torch twin (`*_ref`), built from qwen3_numerics, that
+states what it computes; tests/test_fused_ops.py runs both on CPU under
+TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations
@@ -43,6 +53,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import qwen3_numerics
+
 
 # --------------------------------------------------------------------------
 # 1. residual add + RMSNorm
@@ -50,16 +62,15 @@ import triton.language as tl
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, N, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
     """One program per row. In place, as upstream's fused_add_rms_norm:
-    res <- x + res;  x <- rms_norm(res) * w   (without a residual: x <- rms_norm(x) * w)."""
+    s = x + res in fp32;  res <- s rounded;  x <- rms_norm(s) * w   (without a residual: x <- rms_norm(x) * w)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     x = tl.load(x_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RES:
         r = tl.load(res_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)
-        s = (x + r).to(res_ptr.dtype.element_ty)  # rounded as `x + r` in bf16 would be
-        tl.store(res_ptr + row * N + cols, s, mask=mask)
-        x = s.to(tl.float32)
+        x = x + r  # normalised as the fp32 sum; the residual stream keeps it rounded
+        tl.store(res_ptr + row * N + cols, x.to(res_ptr.dtype.element_ty), mask=mask)
     inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
     y = (x * inv).to(x_ptr.dtype.element_ty).to(tl.float32)  # rounded, then times the weight
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
@@ -84,13 +95,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rms_norm_ref(x, w, eps):
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
+    return qwen3_numerics.rms_norm(x, w, eps)
 
 
 def fused_add_rms_norm_ref(x, residual, w, eps):
-    residual = x + residual
-    return rms_norm_ref(residual, w, eps), residual
+    residual, out = qwen3_numerics.add_rms_norm(residual, x, w, eps)
+    return out, residual
 
 
 # --------------------------------------------------------------------------
@@ -107,8 +117,8 @@ def _qk_norm_rope_kv_kernel(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, 
     i = tl.arange(0, BLOCK_H)
     m = i < HALF
     pos = tl.load(pos_ptr + t)
-    cos = tl.load(cos_ptr + pos * HALF + i, mask=m, other=0.0)
-    sin = tl.load(sin_ptr + pos * HALF + i, mask=m, other=0.0)
+    cos = tl.load(cos_ptr + pos * HALF + i, mask=m, other=0.0).to(tl.float32)  # rounded to the model dtype
+    sin = tl.load(sin_ptr + pos * HALF + i, mask=m, other=0.0).to(tl.float32)
     row = qkv_ptr + t * stride_qkv
     if h < NH:
         src = row + h * HD
@@ -147,7 +157,8 @@ def _qk_norm_rope_kv_kernel(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, 
 
 def qk_norm_rope_kv_write(qkv, q_norm_w, k_norm_w, cos_table, sin_table, positions, slot_mapping,
                           k_cache, v_cache, num_heads: int, num_kv_heads: int, head_dim: int, eps: float):
-    """qkv: [n, (NH + 2 KVH) * HD] (the fused projection's output); cos/sin tables: [max_pos, HD/2] fp32;
+    """qkv: [n, (NH + 2 KVH) * HD] (the fused projection's output); cos/sin tables: [max_pos, HD/2] in the
+    model dtype (qwen3_numerics.rope_cos_sin);
     caches [num_blocks, block_size, KVH, HD], contiguous. Writes K and V of every token into its slot;
     returns q [n, NH, HD], normed and rotated."""
     n = qkv.shape[0]
@@ -162,20 +173,13 @@ def qk_norm_rope_kv_write(qkv, q_norm_w, k_norm_w, cos_table, sin_table, positio
     return q
 
 
-def rope_ref(x, cos, sin):
-    half = x.shape[-1] // 2
-    xf = x.float()
-    x1, x2 = xf[..., :half], xf[..., half:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
-
-
 def qk_norm_rope_kv_write_ref(qkv, q_norm_w, k_norm_w, cos_table, sin_table, positions, slot_mapping,
                               k_cache, v_cache, num_heads, num_kv_heads, head_dim, eps):
     n = qkv.shape[0]
     q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
-    cos, sin = cos_table[positions].unsqueeze(1), sin_table[positions].unsqueeze(1)
-    q = rope_ref(rms_norm_ref(q.reshape(n, num_heads, head_dim), q_norm_w, eps), cos, sin)
-    k = rope_ref(rms_norm_ref(k.reshape(n, num_kv_heads, head_dim), k_norm_w, eps), cos, sin)
+    cos, sin = cos_table[positions], sin_table[positions]
+    q = qwen3_numerics.apply_rope(qwen3_numerics.rms_norm(q.reshape(n, num_heads, head_dim), q_norm_w, eps), cos, sin)
+    k = qwen3_numerics.apply_rope(qwen3_numerics.rms_norm(k.reshape(n, num_kv_heads, head_dim), k_norm_w, eps), cos, sin)
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping,
                                                           v.reshape(n, num_kv_heads, head_dim).to(v_cache.dtype))
@@ -208,5 +212,4 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def silu_and_mul_ref(x):
-    gate, up = x.chunk(2, dim=-1)
-    return torch.nn.functional.silu(gate) * up
+    return qwen3_numerics.silu_and_mul(*x.chunk(2, dim=-1))

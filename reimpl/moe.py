@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .qwen3 import Qwen3
+from .qwen3_numerics import silu_and_mul
 
 
 @dataclass
@@ -61,7 +62,7 @@ class Expert:
     down: torch.Tensor  # [hidden, moe_intermediate]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return (torch.nn.functional.silu(x @ self.gate.T) * (x @ self.up.T)) @ self.down.T
+        return silu_and_mul(x @ self.gate.T, x @ self.up.T) @ self.down.T
 
 
 def route(h: torch.Tensor, gate_weight: torch.Tensor, top_k: int, renormalize: bool) -> Routing:

@@ -13,9 +13,10 @@ request; attention (paged_attn.py) keeps requests apart.
 
 In bf16 it rounds where upstream rounds: weights, the residual stream, every
 linear layer's output and the KV cache are bf16; RMSNorm's statistics,
-RoPE's products and attention's softmax are computed in fp32 and rounded once
-(`vllm.ir.ops.layernorm.rms_norm` / `fused_add_rms_norm`, upstream's rotary and
-attention kernels). In fp32 every cast below is a no-op.
+RoPE's products and attention's softmax are computed in fp32 and rounded once.
+The elementwise maths (RMSNorm, residual add, RoPE, SiLU * up) and its
+roundings live in qwen3_numerics.py, shared with the fast engine's model
+(fast_engine.py), so both compute the same bits. In fp32 every cast is a no-op.
 """
 
 from __future__ import annotations
@@ -27,37 +28,7 @@ import torch
 from safetensors.torch import load_file
 
 from .paged_attn import BatchMeta, PagedKVCache, paged_attention
-
-
-DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Statistics in fp32; the normalized x is rounded to the weight's dtype, then scaled (upstream's order)."""
-    x = x.float()
-    return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).to(weight.dtype) * weight
-
-
-def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Residual add fused with the next RMSNorm (upstream fused_add_rms_norm): the sum is
-    normalized in fp32, before the residual stream stores it rounded to its dtype."""
-    s = x.float() + delta.float()
-    return s.to(x.dtype), rms_norm(s, weight, eps)
-
-
-def rope_cos_sin(max_pos: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
-    freqs = torch.outer(torch.arange(max_pos, dtype=torch.float), inv_freq)
-    return freqs.cos(), freqs.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Neox-style rotation: the first and second halves of each head form the pairs.
-    Products and sums in fp32, rounded once to x's dtype (cos/sin come already rounded to it)."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half].float(), x[..., half:].float()
-    cos, sin = cos.float().unsqueeze(1), sin.float().unsqueeze(1)  # broadcast over heads
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+from .qwen3_numerics import DTYPES, add_rms_norm, apply_rope, rms_norm, rope_cos_sin, silu_and_mul
 
 
 class Qwen3:
@@ -76,8 +47,9 @@ class Qwen3:
         self.num_kv_heads = c["num_key_value_heads"]
         self.head_dim = c.get("head_dim") or c["hidden_size"] // self.num_heads
         self.eps = c["rms_norm_eps"]
-        cos, sin = rope_cos_sin(c["max_position_embeddings"], self.head_dim, c.get("rope_theta", 10000.0))
-        self.cos, self.sin = cos.to(self.dtype), sin.to(self.dtype)  # upstream's cos_sin_cache is in the model dtype
+        # upstream's cos_sin_cache is in the model dtype
+        self.cos, self.sin = rope_cos_sin(c["max_position_embeddings"], self.head_dim, c.get("rope_theta", 10000.0),
+                                          self.dtype)
         lm_head = "lm_head.weight" if "lm_head.weight" in self.w else "model.embed_tokens.weight"
         self.lm_head = self.w[lm_head]
         # Per-layer attention outputs of the last forward (for tensor comparisons).
@@ -115,7 +87,7 @@ class Qwen3:
         p = f"model.layers.{i}.mlp."
         gate = h @ self.w[p + "gate_proj.weight"].T
         up = h @ self.w[p + "up_proj.weight"].T
-        return (torch.nn.functional.silu(gate) * up) @ self.w[p + "down_proj.weight"].T
+        return silu_and_mul(gate, up) @ self.w[p + "down_proj.weight"].T
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden @ self.lm_head.T

@@ -16,6 +16,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 import torch  # noqa: E402
 
 from reimpl import fused_ops as fo  # noqa: E402
+from reimpl.qwen3_numerics import rope_cos_sin  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # fp32: the two paths differ by sum order only. fp16: the interpreter rounds fp32 -> fp16 to nearest, as
@@ -54,9 +55,7 @@ def case_qk_norm_rope_kv(dt):
     qkv = torch.randn(n, (nh + 2 * kvh) * hd, generator=g).to(dt)
     qw = (1 + 0.1 * torch.randn(hd, generator=g)).to(dt)
     kw = (1 + 0.1 * torch.randn(hd, generator=g)).to(dt)
-    inv = 1.0 / (10000.0 ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
-    freqs = torch.outer(torch.arange(64, dtype=torch.float32), inv)
-    cos, sin = freqs.cos().contiguous(), freqs.sin().contiguous()
+    cos, sin = rope_cos_sin(64, hd, 10000.0, dt)  # the tables FastQwen3 hands the kernel
     positions = torch.tensor([0, 1, 2, 17, 40, 63])
     slots = torch.tensor([5, 6, 7, 12, 30, 0])
     kc0 = torch.randn(nb, bs, kvh, hd, generator=g).to(dt)

@@ -1,11 +1,29 @@
 """Shared pytest fixtures. Other areas append their own sections below; keep them session-scoped."""
 
-# --- trace (issue 3): upstream runs shared by tests/test_trace_*.py ---------------------------
 import os
+import subprocess
+import sys
 
 import pytest
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+# --- the command line, run as a user runs it -------------------------------------------------
+def _run_cli(*args, timeout: float = 300, columns: int = 160, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`vllm-tour ARGS` from the repository root, wide enough that rich does not wrap the lines tests read."""
+    from vllm_tour.paths import REPO_ROOT
+
+    return subprocess.run([sys.executable, "-m", "vllm_tour", *map(str, args)], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, "COLUMNS": str(columns), "NO_COLOR": "1", **(env or {})})
+
+
+@pytest.fixture(scope="session")
+def cli():
+    return _run_cli
+
+
+# --- trace: upstream runs shared by tests/test_trace_*.py ------------------------------------
 
 
 class _TraceRuns:
@@ -18,7 +36,7 @@ class _TraceRuns:
     def get(self, name: str, probes: bool = True, **kw):
         from vllm_tour.paths import SCENARIOS_DIR
         from vllm_tour.scenario import load_scenario
-        from vllm_tour.trace.run import run_upstream
+        from vllm_tour.upstream_run import run_upstream
 
         key = (name, probes, tuple(sorted((k, str(v)) for k, v in kw.items())))
         if key not in self._cache:
@@ -32,7 +50,7 @@ def trace_runs(tmp_path_factory):
     return _TraceRuns(tmp_path_factory.mktemp("trace-runs"))
 
 
-# --- compare (issue 5): upstream runs for tests/test_compare_*.py -----------------------------
+# --- compare: upstream runs for tests/test_compare_*.py -----------------------------
 # One upstream engine run per scenario per session, also cached on disk by scenario content
 # (traces/runs/compare-cache/), shared by both compared modules and every mutation test.
 from vllm_tour.compare.pytest_plugin import compare_upstream, upstream_run  # noqa: E402,F401  (fixtures)

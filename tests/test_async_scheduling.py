@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from reimpl.fast_engine import FastConfig, FastEngine, FastQwen3, FastRequest
+from reimpl.config import EngineConfig, RequestIn
+from reimpl.fast_engine import FastEngine, FastQwen3
 from vllm_tour.models import resolve_model
 
 
@@ -22,16 +23,16 @@ def model():
 
 def _requests(eos=None):
     shared = [(5 * j) % 290 + 3 for j in range(40)]  # two requests share a 40-token prefix: prefix hits
-    reqs = [FastRequest(f"r{i}", [(7 * i + j) % 300 + 1 for j in range(20 + 9 * i)], 8 + 3 * i, arrival_step=i // 3,
+    reqs = [RequestIn(f"r{i}", [(7 * i + j) % 300 + 1 for j in range(20 + 9 * i)], 8 + 3 * i, arrival_step=i // 3,
                         eos_token_id=eos) for i in range(9)]
-    reqs += [FastRequest(f"s{i}", shared + [11 + i, 12 + i], 10, arrival_step=2 + i, eos_token_id=eos) for i in range(2)]
+    reqs += [RequestIn(f"s{i}", shared + [11 + i, 12 + i], 10, arrival_step=2 + i, eos_token_id=eos) for i in range(2)]
     return reqs
 
 
 def _run(model, async_scheduling: bool, num_blocks: int, eos=None):
     """Tokens, preemption count, scheduled tokens per request, and the order of schedule/update calls."""
-    eng = FastEngine(model, FastConfig(block_size=16, num_blocks=num_blocks, max_num_batched_tokens=64, max_num_seqs=6,
-                                       max_model_len=512, cuda_graphs=False, async_scheduling=async_scheduling))
+    eng = FastEngine(model, EngineConfig(block_size=16, num_blocks=num_blocks, max_num_batched_tokens=64, max_num_seqs=6,
+                                         max_model_len=512, cuda_graphs=False, async_scheduling=async_scheduling))
     calls = []
     sched = eng.scheduler
     schedule, update = sched.schedule, sched.update_from_output

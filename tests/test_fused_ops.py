@@ -44,7 +44,8 @@ def test_kernel_matches_torch(interp, case, dtype):
 
 
 def test_roundings_match_torch_bit_for_bit_in_fp16(interp):
-    """Residual rounded before the norm, normed value rounded before the weight: as the torch path."""
+    """The fp32 residual sum normalised and stored rounded, the normed value rounded before the weight:
+    the roundings of reimpl/qwen3_numerics.py, which both engines' torch paths use."""
     assert interp["add_rms_norm-fp16"]["out"]["frac_equal"] == 1.0
     assert interp["add_rms_norm-fp16"]["residual_exact"] is True
     assert interp["qk_norm_rope_kv-fp16"]["q"]["frac_equal"] == 1.0

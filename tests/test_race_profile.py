@@ -7,7 +7,8 @@ every token (the wrappers must not change what the engine does)."""
 import pytest
 import torch
 
-from reimpl.fast_engine import FastConfig, FastEngine, FastQwen3, FastRequest
+from reimpl.config import EngineConfig, RequestIn
+from reimpl.fast_engine import FastEngine, FastQwen3
 from vllm_tour.bench.race_profile import phase_profile
 from vllm_tour.models import resolve_model
 
@@ -16,12 +17,12 @@ PHASES = ("schedule", "prepare", "launch", "gpu", "sample", "update")
 
 def _engine():
     model = FastQwen3.from_dir(resolve_model("tiny-qwen3"), device="cpu", dtype=torch.float32)
-    return FastEngine(model, FastConfig(block_size=16, num_blocks=128, max_num_batched_tokens=64, max_num_seqs=32,
-                                        max_model_len=512, cuda_graphs=False))
+    return FastEngine(model, EngineConfig(block_size=16, num_blocks=128, max_num_batched_tokens=64, max_num_seqs=32,
+                                          max_model_len=512, cuda_graphs=False))
 
 
 def _requests():
-    return [FastRequest(f"r{i}", [(3 * i + j) % 200 + 1 for j in range(20 + 4 * i)], 4 + 2 * i) for i in range(24)]
+    return [RequestIn(f"r{i}", [(3 * i + j) % 200 + 1 for j in range(20 + 4 * i)], 4 + 2 * i) for i in range(24)]
 
 
 def test_phases_cover_every_step_and_the_run_is_unchanged():

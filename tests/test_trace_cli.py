@@ -1,27 +1,21 @@
 """The user's view: `vllm-tour show/export/trace` output, exit codes and one-line errors."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from vllm_tour.paths import GOLDEN_DIR, REPO_ROOT
+from vllm_tour.paths import GOLDEN_DIR
 from vllm_tour.trace.perfetto import to_chrome_trace
 from vllm_tour.trace.reader import load_run
 
 
-def cli(*args, timeout=120):
-    return subprocess.run([sys.executable, "-m", "vllm_tour.cli", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout, env={**__import__("os").environ, "COLUMNS": "160"})
-
-
-def test_show_renders_preemption_and_the_block_grid():
+def test_show_renders_preemption_and_the_block_grid(cli):
     r = cli("show", str(GOLDEN_DIR / "preemption"))
     assert r.returncode == 0, r.stderr
     assert "PREEMPT r2" in r.stdout and "block tables after step" in r.stdout and "outputs" in r.stdout
 
 
-def test_show_step_explains_the_preemption():
+def test_show_step_explains_the_preemption(cli):
     run = load_run(GOLDEN_DIR / "preemption")
     step = next(s.index for s in run.steps if s.scheduler.preempted)
     r = cli("show", "preemption", "--step", str(step))  # a golden name resolves too
@@ -29,7 +23,7 @@ def test_show_step_explains_the_preemption():
     assert "preempted r2: no free KV blocks" in r.stdout and "slot_mapping" in r.stdout
 
 
-def test_show_request_follows_one_request():
+def test_show_request_follows_one_request(cli):
     r = cli("show", "shared_prefix", "--request", "second")
     assert r.returncode == 0, r.stderr
     assert "hit second:64t" in r.stdout and "second: blocks per step" in r.stdout and "1* 2* 4+" in r.stdout
@@ -51,7 +45,7 @@ def test_show_request_follows_one_request():
         (("trace", "-r", "hi", "--model", "Qwen3-0.6B"), "models--Qwen--Qwen3-0.6B"),
     ],
 )
-def test_errors_are_one_line_with_exit_2(args, message):
+def test_errors_are_one_line_with_exit_2(args, message, cli):
     r = cli(*args)
     assert r.returncode == 2, (r.stdout, r.stderr)
     err = [line for line in r.stderr.splitlines() if line.startswith("error:")]
@@ -59,14 +53,14 @@ def test_errors_are_one_line_with_exit_2(args, message):
     assert "Traceback" not in r.stderr
 
 
-def test_a_failed_trace_leaves_no_run_directory(tmp_path):
+def test_a_failed_trace_leaves_no_run_directory(tmp_path, cli):
     out = tmp_path / "run"
     r = cli("trace", "-r", "hi", "--model", "Qwen3-0.6B", "--out", str(out))
     assert r.returncode == 2 and "try --model tiny-qwen3" in r.stderr
     assert not out.exists()
 
 
-def test_help_teaches():
+def test_help_teaches(cli):
     r = cli("trace", "--help")
     assert r.returncode == 0 and "--num-blocks" in r.stdout and "preemption" in r.stdout and "chunked prefill" in r.stdout
 
@@ -102,8 +96,69 @@ def test_perfetto_export_structure(name):
         assert sum(1 for n in names if n.startswith("prefill ")) >= 3
 
 
-def test_export_command_writes_a_file(tmp_path):
+def test_export_command_writes_a_file(tmp_path, cli):
     out = tmp_path / "t.json"
     r = cli("export", "preemption", "--out", str(out))
     assert r.returncode == 0, r.stderr
     _check_chrome_trace(json.loads(out.read_text()))
+
+
+def test_show_step_lists_only_that_steps_finishes(cli):
+    from vllm_tour.trace.render import last_steps
+
+    run = load_run(GOLDEN_DIR / "preemption")
+    finishes = last_steps(run)  # step -> requests whose last token was computed then
+    quiet = next(s.index for s in run.steps if s.scheduler.preempted and s.index not in finishes)
+    r = cli("show", "preemption", "--step", str(quiet))
+    assert r.returncode == 0, r.stderr
+    assert f"step {quiet} of {len(run.steps)}" in r.stdout and "finish " not in r.stdout
+    last = max(finishes)
+    r = cli("show", "preemption", "--step", str(last))
+    assert all(f"finish {f}" in r.stdout for f in finishes[last])
+
+
+def test_show_explains_the_null_block(cli):
+    run = load_run(GOLDEN_DIR / "preemption")
+    usable = run.steps[0].kv.num_blocks
+    r = cli("show", "preemption")
+    assert f"KV blocks {usable} usable + 1 null (block 0" in r.stdout and f"/{usable} " in r.stdout
+
+
+# 31 tokens with the tiny model's tokenizer: one short of max_model_len 32, the longest prompt upstream accepts.
+LONGEST_PROMPT = "the engine schedules requests in steps and each step fits a token budget while blocks"
+
+
+def test_trace_force_replaces_a_run_dir_and_the_longest_prompt_runs(tmp_path, cli):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "records.999.jsonl").write_text('{"stale": true}\n')
+    r = cli("trace", "-r", LONGEST_PROMPT, "--max-model-len", "32", "--out", out, "--force")
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    assert not (out / "records.999.jsonl").exists()
+    run = load_run(out)
+    assert run.meta.status == "ok" and len(run.outputs.requests[0].prompt_token_ids) == 31
+    assert "random weights" in r.stdout
+    r = cli("trace", "-r", LONGEST_PROMPT + " and", "--max-model-len", "32", "--out", tmp_path / "run2")
+    assert r.returncode == 2 and "allows at most 31" in r.stderr and not (tmp_path / "run2").exists()
+
+
+def test_the_readme_chunked_prefill_example_is_longer_than_its_budget():
+    import re
+
+    from tokenizers import Tokenizer
+
+    from vllm_tour.models import tokenizer_json
+    from vllm_tour.paths import REPO_ROOT
+
+    line = next(x for x in (REPO_ROOT / "README.md").read_text().splitlines() if "# chunked prefill" in x)
+    budget = int(re.search(r"--max-num-batched-tokens (\d+)", line).group(1))
+    prompt = re.search(r'-r "([^"]+)"', line).group(1)
+    assert len(Tokenizer.from_file(str(tokenizer_json())).encode(prompt).ids) > budget  # else nothing chunks
+
+
+def test_help_shows_flags_without_a_value_type_and_keeps_bracketed_words(cli):
+    trace_help = cli("trace", "--help").stdout
+    flags = [line for line in trace_help.splitlines() if line.startswith("│ --") and any(f in line for f in ("--ignore-eos", "--multiprocess", "--force ", "--no-prefix-caching"))]
+    assert len(flags) == 4 and not any("<bool>" in line for line in flags), flags
+    repro_help = cli("repro", "--help").stdout
+    assert "Expectations ([expect]):" in repro_help and "with an [expect] section" in repro_help

@@ -8,7 +8,7 @@ import pytest
 from vllm_tour.errors import TourError
 from vllm_tour.paths import GOLDEN_DIR
 from vllm_tour.trace.reader import load_run
-from vllm_tour.trace.run import env_allow_list
+from vllm_tour.upstream_run import env_allow_list
 from vllm_tour.trace.writer import parse_steps, user_req_id
 
 

@@ -30,14 +30,24 @@ app.add_typer(models_app, name="models")
 console = Console()
 
 
+def flag(*decls: str, help: str):
+    """A boolean option, off by default; shown without a value type in --help (it takes none)."""
+    return typer.Option(False, *decls, help=help, metavar="")
+
+
 @app.command()
 def pin(
     tag: Optional[str] = typer.Argument(None, help="Pin tag, e.g. v0.32.0 (default: v<installed version>)."),
     commit: Optional[str] = typer.Option(None, help="Commit to record when the wheel's _version.py records none."),
-    fetch: bool = typer.Option(False, "--fetch", help="Instead: download TAG's wheel and keep its Python sources in the cache (for `source`/`annotations check` on a pin that is not installed)."),
+    fetch: bool = flag("--fetch", help="Instead: download TAG's wheel and keep its Python sources in the cache (for `source`/`annotations check` on a pin that is not installed)."),
     out: Optional[Path] = typer.Option(None, help="Write here instead of pins/<tag>.toml."),
+    write: bool = flag("--write", help="Rewrite an existing pins/<tag>.toml (without it: only say what would change)."),
 ):
-    """Write pins/<TAG>.toml from the installed vLLM: version, commit, distribution, torch, source digest."""
+    """Pin the installed vLLM: version, commit, distribution, torch, source digest, merged into pins/TAG.toml.
+
+    The other platforms' distributions in the pin are kept. An existing pin file is
+    only rewritten with --write; without it the changes are listed.
+    """
     from . import pins
 
     if fetch:
@@ -46,9 +56,17 @@ def pin(
         path = pins.fetch_sources(tag)
         console.print(f"sources of {tag} in {path}")
         return
-    p = pins.pin_from_installed(tag, commit)
-    path = pins.write_pin(p, out)
-    console.print(f"wrote {path}: {p.distributions[p.platform].dist} {p.version}, {p.source_files} files, {p.source_digest}")
+    p, changes, path, written = pins.update_pin(tag, commit, out, write)
+    d = p.distributions[p.platform]
+    if not changes:
+        console.print(f"{path} already pins {d.dist} {p.version} ({p.source_digest}): nothing to change")
+        return
+    for line in changes:
+        console.print(f"  {escape(line)}", highlight=False)
+    if written:
+        console.print(f"wrote {path}: {d.dist} {p.version}, {p.source_files} files, {p.source_digest}")
+    else:
+        console.print(f"{path} not written: {len(changes)} change(s) above; give --write to apply them (or --out FILE)")
 
 
 @app.command()
@@ -80,11 +98,13 @@ def doctor(
 @models_app.command("make")
 def models_make(
     name: str = typer.Argument("tiny-qwen3", help="tiny-qwen3 or tiny-qwen3-moe."),
-    force: bool = typer.Option(False, help="Regenerate even if present."),
+    force: bool = flag(help="Regenerate even if present."),
 ):
     """Generate a tiny checkpoint (HF layout) in the user cache and print its path and digest."""
     from . import models
+    from .writable import check_dir
 
+    check_dir(models.tiny_model_dir(name).parent, "model cache (VLLM_TOUR_CACHE)")
     path = models.make_tiny_model(name, force=force)
     console.print(f"{name}: {path}  sha256 {models.model_digest(path)}")
 
@@ -108,7 +128,7 @@ def source(
 @annotations_app.command("check")
 def annotations_check(
     pin: list[str] = typer.Option([], "--pin", help="Pin tag; repeat to check several (drift is against the first)."),
-    as_json: bool = typer.Option(False, "--json", help="Machine-readable report on stdout."),
+    as_json: bool = flag("--json", help="Machine-readable report on stdout."),
 ):
     """Check every note resolves on each pin; report orphans (exit 1) and drift between pins."""
     from .source.commands import run_check
@@ -123,7 +143,9 @@ def site(
 ):
     """Write a static HTML site of the annotated request path (open OUT/index.html)."""
     from .source.commands import build_site
+    from .writable import check_dir
 
+    check_dir(out, "--out")
     build_site(console, out, pin)
 
 
@@ -137,21 +159,22 @@ def trace(
     max_tokens: Optional[int] = typer.Option(None, help="Tokens to generate per request (default 16)."),
     temperature: Optional[float] = typer.Option(None, help="Sampling temperature (default 0: greedy)."),
     seed: Optional[int] = typer.Option(None, help="Per-request sampling seed."),
-    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Keep generating past EOS (fixed lengths)."),
+    ignore_eos: bool = flag("--ignore-eos", help="Keep generating past EOS (fixed lengths)."),
     block_size: Optional[int] = typer.Option(None, help="Tokens per KV block (a multiple of 32 on CPU)."),
     num_blocks: Optional[int] = typer.Option(None, help="Usable KV blocks. Small (e.g. 8) forces preemption."),
     kv_bytes: Optional[int] = typer.Option(None, help="KV cache size in bytes (default 64 MiB) when --num-blocks is not given."),
     max_num_batched_tokens: Optional[int] = typer.Option(None, help="Token budget per step. Small (e.g. 32) forces chunked prefill."),
     max_num_seqs: Optional[int] = typer.Option(None, help="Most requests running at once."),
     max_model_len: Optional[int] = typer.Option(None, help="Longest sequence (default 1024)."),
-    prefix_caching: Optional[bool] = typer.Option(None, "--prefix-caching/--no-prefix-caching", help="Automatic prefix caching (default on)."),
+    prefix_caching: Optional[bool] = typer.Option(None, "--prefix-caching/--no-prefix-caching", help="Automatic prefix caching (default on).", metavar=""),
     tp: Optional[int] = typer.Option(None, "--tp", help="Tensor-parallel size (1 or 2; 2 starts two worker processes)."),
     capture: list[str] = typer.Option([], "--capture", help="Save tensors: attn_out (per-layer attention output), kv_blocks (KV blocks written), router_logits, moe_out, moe_partial (MoE models: gate logits, output after and, with TP/EP > 1, each rank's partial before the all-reduce); comma-separated or repeated."),
     capture_steps: str = typer.Option("", help="Steps to capture, e.g. 1-3,7 (default: every step)."),
     logprobs: Optional[int] = typer.Option(None, "--logprobs", help="Record each generated position's top-K token ids and logprobs in outputs.json (default: 5 for a bf16 scenario, else none)."),
-    out: Optional[Path] = typer.Option(None, help="Run directory (default traces/runs/<stamp>-<name>)."),
-    multiprocess: bool = typer.Option(False, "--multiprocess", help="Run the EngineCore in its own process, as `vllm serve` does (arrival steps become approximate)."),
-    verbose: bool = typer.Option(False, "--verbose", "-v", help="Show vLLM's own INFO logs."),
+    out: Optional[Path] = typer.Option(None, help="Run directory (default traces/runs/<stamp>-<name>). An existing, non-empty one is refused unless --force."),
+    force: bool = flag("--force", help="Trace into an existing --out: its meta.json, records and captures are deleted and replaced."),
+    multiprocess: bool = flag("--multiprocess", help="Run the EngineCore in its own process, as `vllm serve` does (arrival steps become approximate)."),
+    verbose: bool = flag("--verbose", "-v", help="Show vLLM's own INFO logs."),
 ):
     """Run the pinned upstream vLLM engine with probes and record every step.
 
@@ -162,7 +185,7 @@ def trace(
 
       vllm-tour trace -r "one prompt" -r "another" -r "a third" --num-blocks 7 --max-tokens 100 --ignore-eos   # preemption
 
-      vllm-tour trace -r "a prompt longer than the budget ..." --max-num-batched-tokens 32   # chunked prefill
+      vllm-tour trace -r "a prompt of more than 32 tokens does not fit one step of a 32-token budget, so its prefill is split into chunks over several steps" --max-num-batched-tokens 32   # chunked prefill (60 tokens: 32 + 28)
 
       vllm-tour trace --scenario traces/scenarios/shared_prefix.toml --capture attn_out
     """
@@ -175,7 +198,7 @@ def trace(
         enable_prefix_caching=prefix_caching, tensor_parallel_size=tp,
     )
     sc = command.build_scenario(scenario, request, requests_file, model, pin, max_tokens, temperature, seed, ignore_eos, engine)
-    command.trace(sc, out, capture, capture_steps, multiprocess, console, logprobs)
+    command.trace(sc, out, capture, capture_steps, multiprocess, console, logprobs, force)
 
 
 @app.command()
@@ -183,11 +206,12 @@ def probes(
     pin: Optional[str] = typer.Option(None, "--pin", help="Pin tag to check the targets on (default: the pin of the installed vLLM)."),
 ):
     """List the declared probes: upstream target, what each records, the pins it supports. Exit 2 if a target is missing."""
-    from .pins import active_pin_tag
+    from .pins import active_pin_tag, load_pin
     from .probes.base import resolve
     from .probes.install import probes_for
 
     tag = pin or active_pin_tag()
+    load_pin(tag)  # an unknown pin is named as such, not as a missing probe or backend
     table = Table(title=f"probes — pin {tag}", title_justify="left")
     for col in ("probe", "target", "records", "pins", ""):
         table.add_column(col, overflow="fold")
@@ -240,11 +264,14 @@ def export(
     from .trace.perfetto import default_export_path
     from .trace.perfetto import export as to_perfetto
     from .trace.reader import load_run
+    from .writable import check_file
 
     if format != "perfetto":
         raise TourError(f"unknown format {format!r} (supported: perfetto)")
     r = load_run(run)
-    path = to_perfetto(r, out or default_export_path(r.path))
+    path = out or default_export_path(r.path)
+    check_file(path, "--out")
+    path = to_perfetto(r, path)
     console.print(f"wrote {path} ({len(r.steps)} steps): open it at https://ui.perfetto.dev")
 
 
@@ -252,10 +279,10 @@ def export(
 def compare(
     module: str = typer.Argument(..., help=f"One of {', '.join(COMPARE_MODULES)} (the Triton kernel is interpreted on CPU)."),
     scenario: Optional[Path] = typer.Option(None, "--scenario", help="Scenario TOML to compare on."),
-    all_scenarios: bool = typer.Option(False, "--all-scenarios", help="Every scenario in traces/scenarios/ the reimpl can run."),
-    explain: bool = typer.Option(False, "--explain", help="At the first divergence, print both sides' state (queues, budgets, block tables)."),
+    all_scenarios: bool = flag("--all-scenarios", help="Every scenario in traces/scenarios/ the reimpl can run."),
+    explain: bool = flag("--explain", help="At the first divergence, print both sides' state (queues, budgets, block tables)."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the JSON report here (default: traces/runs/compare/<stamp>-<module>.json)."),
-    fresh: bool = typer.Option(False, "--fresh", help="Re-run upstream instead of reusing its cached run of the scenario."),
+    fresh: bool = flag("--fresh", help="Re-run upstream instead of reusing its cached run of the scenario."),
     atol: Optional[float] = typer.Option(None, help="Tensor tolerance: |reimpl - upstream| <= atol + rtol*|upstream|. "
                                          "Default: by upstream's platform/backend (fp32: 1e-5; CUDA Triton attention, TF32 dots: 1e-2)."),
     rtol: Optional[float] = typer.Option(None, help="See --atol."),
@@ -272,13 +299,14 @@ def compare(
 
 @app.command()
 def repro(
-    scenario: Path = typer.Argument(..., help="A scenario TOML with an [expect] section (see traces/scenarios/repro_*.toml)."),
-    out: Optional[Path] = typer.Option(None, help="Run directory (default traces/runs/<stamp>-<name>)."),
-    verbose: bool = typer.Option(False, "--verbose", "-v", help="Show vLLM's own INFO logs."),
+    scenario: Path = typer.Argument(..., help="A scenario TOML with an \\[expect] section (see traces/scenarios/repro_*.toml)."),
+    out: Optional[Path] = typer.Option(None, help="Run directory (default traces/runs/<stamp>-<name>). An existing, non-empty one is refused unless --force."),
+    force: bool = flag("--force", help="Run into an existing --out: its meta.json, records and captures are deleted and replaced."),
+    verbose: bool = flag("--verbose", "-v", help="Show vLLM's own INFO logs."),
 ):
     """Run a scenario that encodes an upstream issue; print REPRODUCED / NOT REPRODUCED with the evidence.
 
-    Expectations ([expect]): engine_fails_with = "substring", preempted = ["r2"],
+    Expectations (\\[expect]): engine_fails_with = "substring", preempted = ["r2"],
     resumed = ["r2"], prefix_hit_tokens = {r1 = 64}, tokens_equal = ["r0", "r1"].
     Exit 0 reproduced, 1 not reproduced, 2 could not run.
     """
@@ -286,8 +314,9 @@ def repro(
     from .trace.command import quiet_vllm
 
     quiet_vllm(verbose)
-    console.print(f"[dim]repro {escape(str(scenario))}: running upstream with probes…[/]")
-    res = run_repro(scenario, out)
+    if console.is_terminal:  # a status line, as trace's progress bar: piped output stays the result (or one error line)
+        console.print(f"[dim]repro {escape(str(scenario))}: running upstream with probes…[/]")
+    res = run_repro(scenario, out, force)
     render(res, console, scenario)
     raise typer.Exit(0 if res.reproduced else 1)
 

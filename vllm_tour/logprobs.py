@@ -1,6 +1,6 @@
 """How many top logprobs a low-precision run records at each generated position.
 
-Upstream records them (trace.run asks vLLM for them), the reimpl records its own
+Upstream records them (upstream_run asks vLLM for them), the reimpl records its own
 (compare), and vLLM's top-k token rule compares the two (compare.tokens). Standard
 library only: the GPU runner imports it on a machine without pydantic.
 """

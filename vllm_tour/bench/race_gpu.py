@@ -64,25 +64,26 @@ def build_reimpl(mode: str, n: int, async_scheduling: bool = True):
     """The warmed-up mini engine for the recipe and its requests: (engine, requests, init seconds)."""
     import torch
 
-    from reimpl.fast_engine import FastConfig, FastEngine, FastQwen3, FastRequest, RunStats
+    from reimpl.config import EngineConfig, RequestIn
+    from reimpl.fast_engine import FastEngine, FastQwen3, RunStats
 
     cfg = model_config()
     t0 = time.time()
     model = FastQwen3.random(cfg, device="cuda", dtype=torch.bfloat16, seed=0)
     prompts, max_tokens = recipe(n)
     block_size = 16
-    fc = FastConfig(block_size=block_size, num_blocks=reimpl_kv_blocks(prompts, max_tokens, block_size),
-                    max_num_batched_tokens=16384, max_num_seqs=1024, max_model_len=MAX_MODEL_LEN,
-                    enable_prefix_caching=True, cuda_graphs=(mode == "graphs"), async_scheduling=async_scheduling,
-                    graph_batch_sizes=(1, 2, 4, 8, *range(16, min(n, 1024) + 16, 16)))
+    fc = EngineConfig(block_size=block_size, num_blocks=reimpl_kv_blocks(prompts, max_tokens, block_size),
+                      max_num_batched_tokens=16384, max_num_seqs=1024, max_model_len=MAX_MODEL_LEN,
+                      enable_prefix_caching=True, cuda_graphs=(mode == "graphs"), async_scheduling=async_scheduling,
+                      graph_batch_sizes=(1, 2, 4, 8, *range(16, min(n, 1024) + 16, 16)))
     eng = FastEngine(model, fc)
     eng.capture_graphs()
     # Warm-up: compile the prefill tilings (long and short chunks) and the decode path.
-    eng.generate([FastRequest("warm-a", [1] * 700, 3), FastRequest("warm-c", [3] * 300, 3)])  # avg >= 256: 64-row tiles
-    eng.generate([FastRequest("warm-b", [2] * 40, 3), FastRequest("warm-d", [4] * 30, 2)])  # short chunks: 16-row tiles
+    eng.generate([RequestIn("warm-a", [1] * 700, 3), RequestIn("warm-c", [3] * 300, 3)])  # avg >= 256: 64-row tiles
+    eng.generate([RequestIn("warm-b", [2] * 40, 3), RequestIn("warm-d", [4] * 30, 2)])  # short chunks: 16-row tiles
     capture_s = eng.stats.graph_capture_s
     eng.stats = RunStats(graph_capture_s=capture_s)
-    reqs = [FastRequest(f"r{i}", p, m, TEMPERATURE) for i, (p, m) in enumerate(zip(prompts, max_tokens))]
+    reqs = [RequestIn(f"r{i}", p, m, TEMPERATURE) for i, (p, m) in enumerate(zip(prompts, max_tokens))]
     torch.cuda.synchronize()
     return eng, reqs, time.time() - t0
 

@@ -21,6 +21,10 @@ def run_compare(module: str, scenario: Path | None, all_scenarios: bool, explain
     """0: every scenario clean; 1: some diverged; 2 (TourError): could not run.
 
     impl_options: "COMPONENT=FILE.py[:Name]" each; every file is checked before any engine starts."""
+    from ..trace.command import quiet_vllm
+    from ..writable import check_file
+
+    quiet_vllm(False)  # as `trace`: vLLM's INFO lines would bury the report
     harness.check_module(module)
     impl: dict[str, str] = {}
     for component, spec in map(parse_impl, impl_options):
@@ -29,6 +33,8 @@ def run_compare(module: str, scenario: Path | None, all_scenarios: bool, explain
         impl[component] = spec
     engine_components(module, impl)
     paths = harness.scenario_paths(all_scenarios, scenario)
+    out = Path(json_out) if json_out else RUNS_DIR / "compare" / f"{time.strftime('%Y%m%d-%H%M%S')}-{module.replace('.', '_')}.json"
+    check_file(out, "JSON report")
     from ..scenario import load_scenario
 
     results, skipped, failed = [], [], []
@@ -67,7 +73,6 @@ def run_compare(module: str, scenario: Path | None, all_scenarios: bool, explain
         "could_not_run": failed,
         "time": time.time(),
     }
-    out = Path(json_out) if json_out else RUNS_DIR / "compare" / f"{time.strftime('%Y%m%d-%H%M%S')}-{module.replace('.', '_')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(out, summary)
 

@@ -263,7 +263,8 @@ def kv_view(rec: dict | None) -> dict:
 
 
 def runner_view(rec: dict | None) -> dict:
-    """Per request (the runner may lay the batch out in its own order)."""
+    """Per request, then the batch as a whole: its row order (req_ids) and which rows give logits
+    (logits_indices), compared as lists; None where the run did not record them (logits_not_recorded)."""
     if rec is None:
         return {}
     ids = rec["req_ids"]
@@ -285,9 +286,18 @@ def runner_view(rec: dict | None) -> dict:
     return {
         "num_tokens": rec["num_tokens"],
         "requests": per_req,
+        # the rows' order: everything the runner lays out per row (input ids, positions, slot mapping,
+        # logits, attention outputs) follows it; compared after the requests, so a missing request is named first
+        "req_ids": list(ids),
+        "logits_indices": None if logits_not_recorded(rec) else list(rec["logits_indices"]),
         "sampled_token_ids": {k: v for k, v in sorted(rec["sampled_token_ids"].items()) if v},
         "_summarized": summarized,
     }
+
+
+def logits_not_recorded(rec: dict) -> bool:
+    """The runner ran a batch but recorded no logits indices (the probe on _prepare_inputs did not fire)."""
+    return bool(rec.get("req_ids")) and not rec.get("logits_indices")
 
 
 def _diff_value(prefix: str, up: Any, re_: Any, step: int, out: list[Divergence], req_id: str | None = None) -> None:
@@ -359,7 +369,15 @@ def diff_step(step: int, up: dict[str, dict | None], re_: dict[str, dict | None]
             for row in list(uv["requests"].values()) + list(rv["requests"].values()):
                 for k in summarized:
                     row.pop(k, None)
+        if uv and uv["logits_indices"] is None:  # not recorded upstream: not compared (the harness says so)
+            rv.pop("logits_indices", None)
+            uv.pop("logits_indices")
+        before = len(out)
         _diff_value("runner", uv, rv, step, out)
+        for d in out[before:]:
+            if d.field == "runner.req_ids" and sorted(d.upstream or []) == sorted(d.reimpl or []):
+                d.message = (f"batch row order differs, same requests ({d.message}): the runner's rows (input ids, "
+                             "positions, slot mapping, logits indices, attention outputs) follow this order")
     if "attention" in sections and up.get("attention") is not None:
         _diff_value("attention", attention_view(up.get("attention"), up.get("runner")),
                     attention_view(re_.get("attention"), re_.get("runner")), step, out)

@@ -3,6 +3,14 @@
     result = compare("reimpl.paged_attn", "traces/scenarios/cmp_single.toml")
     result.exit_code  # 0 clean, 1 diverged (2 is raised as TourError: could not run)
     compare("reimpl.paged_attn", scenario, impl={"block_pool": "labs/my_pool.py:BlockPool"})
+
+modules.py      what each module swaps in and is judged on
+components.py   the swappable components' interfaces, load_impl
+upstream.py     the upstream run (cached per scenario), read through trace.reader
+reimpl_side.py  the reference engine with the module's (or the learner's) components
+tensor_diff.py  captured tensors; explain.py  --explain; result.py  CompareResult
+
+What is not compared, and why, goes into the result as well (CompareResult.not_compared).
 """
 
 from __future__ import annotations
@@ -78,7 +86,7 @@ def compare(module: str, scenario_path: Path | str, *, fresh: bool = False, upst
     dtype = run_dtype(up)
     if dtype != "float32" and not up.top:
         raise TourError(f"upstream run {run_dir} ran in {dtype} but recorded no top-k logprobs, which the {dtype} "
-                        f"token rule needs: rerun it with logprobs (trace.run.run_upstream(..., logprobs={TOP_K}))")
+                        f"token rule needs: rerun it with logprobs (upstream_run.run_upstream(..., logprobs={TOP_K}))")
     tol = diffs.tolerance_for(backend, up.meta.get("env"), dtype)
     if atol is not None or rtol is not None:
         tol = diffs.Tolerance(tol.atol if atol is None else atol, tol.rtol if rtol is None else rtol, "given",
@@ -93,10 +101,12 @@ def compare(module: str, scenario_path: Path | str, *, fresh: bool = False, upst
         raise
     except Exception as e:  # the reimpl crashed: a divergence at the step it crashed in
         engine, results, notes = getattr(e, "_engine", None), list(collected), []
+        # the engine says which step and phase it was in; else (an engine_factory's engine) the step after the last one done
+        step, phase = getattr(engine, "where", None) or (results[-1].out.step + 1 if results else 1, None)
         partial = getattr(engine, "current_step", None)
         if partial is not None and (not results or results[-1] is not partial):
             results.append(partial)
-        crash = _crash_divergence(e, results[-1].out.step if results else 1, components)
+        crash = _crash_divergence(e, step, phase, components)
 
     re_steps: dict[int, dict] = {}
     re_tensors: dict[int, dict] = {}
@@ -111,7 +121,8 @@ def compare(module: str, scenario_path: Path | str, *, fresh: bool = False, upst
 
     # forced: randomly sampled requests, whose tokens are upstream's and not compared (in bf16 the
     # greedy ones run on upstream's tokens too, but their own greedy choices are compared by the top-k rule)
-    forced = {r["req_id"] for r in up.meta["requests"] if (r.get("temperature") or 0) > 0}
+    sampled_at = {r["req_id"]: r["temperature"] for r in up.meta["requests"] if (r.get("temperature") or 0) > 0}
+    forced = set(sampled_at)
     re_outputs = engine.outputs() if engine else {}
     if engine and dtype != "float32":  # the reimpl's own greedy picks, not the tokens it was given
         re_outputs.update({rid: engine.greedy.get(rid, []) for rid in re_outputs if rid not in forced})
@@ -129,11 +140,19 @@ def compare(module: str, scenario_path: Path | str, *, fresh: bool = False, upst
     else:  # compare what ran, up to and including the step that crashed
         divs = diffs.diff_steps({s: v for s, v in up.steps.items() if s < crash.step},
                                 {s: v for s, v in re_steps.items() if s < crash.step}, sections)
-        if crash.step in up.steps and crash.step in re_steps:  # the decision made before the model ran
-            divs += diffs.diff_step(crash.step, up.steps[crash.step], re_steps[crash.step],
-                                    tuple(x for x in sections if x in ("scheduler", "kv")))
+        # the records the crashing step made before it raised (the decision made before the model ran)
+        at_crash = re_steps.get(crash.step, {})
+        if crash.step in up.steps and at_crash:
+            divs += diffs.diff_step(crash.step, up.steps[crash.step], at_crash,
+                                    tuple(x for x in sections if at_crash.get(x) is not None))
         divs.append(crash)
-    tstats = diffs.pool_steps(diff_tensors(run_dir, up.steps, re_steps, re_tensors, tol.atol, tol.rtol), tol) if tensors else []
+    not_compared = _not_compared(module, up, sampled_at, verdicts, crash, tensors)
+    tstats = []
+    if tensors:
+        ran = {s: v for s, v in up.steps.items() if crash is None or s < crash.step}
+        tstats, skipped = diff_tensors(run_dir, ran, re_steps, re_tensors, tol.atol, tol.rtol, captures or CAPTURES)
+        tstats = diffs.pool_steps(tstats, tol)
+        not_compared += skipped
 
     tokens = {rid: {"upstream": up.outputs.get(rid), "reimpl": re_outputs.get(rid), "forced": rid in forced}
               for rid in sorted(set(up.outputs) | set(re_outputs))}
@@ -143,26 +162,54 @@ def compare(module: str, scenario_path: Path | str, *, fresh: bool = False, upst
                   for name, given in (impl or {}).items()}
     result = CompareResult(module, scenario.name, str(scenario_path), str(run_dir), len(up.steps), len(re_steps),
                            tokens, divs, tstats, notes, tolerance=tol, upstream_backend=backend, upstream_isa=up.isa, dtype=dtype,
-                           impl=impl_names)
+                           impl=impl_names, not_compared=not_compared, tensors_judged=tensors)
     for name, given in impl_names.items():
         result.notes.append(f"{name}: the learner's {given} (every other component: the reference)")
-    if not tensors:
-        judged = " or ".join(name for name, m in MODULES.items() if m.captures)
-        result.notes.append(f"tensors not compared for this module (use {judged})")
     if explain or not result.clean:
         result.explain = explain_divergence(result, up.steps, re_steps, re_state)
     result.duration_s = time.perf_counter() - t0
     return result
 
 
-def _crash_divergence(e: Exception, step: int, components: dict[str, object]) -> Divergence:
-    """The crash as a divergence, located at the innermost frame in reimpl/ or in a learner's file."""
+def _crash_divergence(e: Exception, step: int, phase: str | None, components: dict[str, object]) -> Divergence:
+    """The crash as a divergence at the step the engine was in, naming what it was doing (Engine.where)
+    and the innermost frame in reimpl/ or in a learner's file."""
     own = {getattr(inspect.getmodule(obj), "__file__", None) for obj in components.values()}
     tb = traceback.extract_tb(e.__traceback__)
     where = next((f"{Path(f.filename).name}:{f.lineno} in {f.name}" for f in reversed(tb)
-                  if "reimpl" in f.filename or f.filename in own), "?")
+                  if ("reimpl" in f.filename or f.filename in own) and f.name != "tracked_call"), "?")  # not Engine._tracked's wrapper
+    doing = f" during {phase}" if phase else ""
     return Divergence("crash", step, "reimpl.exception", None, f"{type(e).__name__}: {e}"[:500], None,
-                      f"the reimpl raised at {where}")
+                      f"the reimpl raised in step {step}{doing}, at {where}")
+
+
+def _not_compared(module: str, up, sampled_at: dict[str, float], verdicts: dict[str, dict], crash: Divergence | None,
+                  tensors: bool) -> list[dict]:
+    """What this comparison does not judge, and why: [{what, why}] (tensor_diff adds the tensors' own)."""
+    out = []
+    if not tensors:
+        judged = " or ".join(name for name, m in MODULES.items() if m.captures)
+        out.append({"what": "tensors (attention outputs, KV cache blocks)",
+                    "why": f"{module} is judged on its decisions and tokens only; tensors are judged by {judged}"})
+    for rid, temperature in sorted(sampled_at.items()):
+        out.append({"what": f"sampled tokens of {rid} (temperature {temperature})",
+                    "why": "random sampling: upstream's noise comes from a C++ op (fused_gumbel_argmax on CPU) the reimpl "
+                           "does not reproduce, so upstream's tokens are forced into the reimpl"})
+    for rid, v in sorted(verdicts.items()):
+        if v["ok"] and not v["identical"]:
+            out.append({"what": f"tokens of {rid} after output position {v['first_diff']}",
+                        "why": f"{run_dtype(up)}: the greedy tokens first differ there, each in the other's top-{TOP_K} "
+                               "(vLLM's rule); after it the reimpl runs on upstream's tokens"})
+    missing = [s for s, v in sorted(up.steps.items()) if v.get("runner") and diffs.logits_not_recorded(v["runner"])]
+    if missing:
+        out.append({"what": f"runner.logits_indices at {len(missing)} step(s) (first: {missing[0]})",
+                    "why": "not recorded in this run (upstream's runner record has none)"})
+    if crash is not None:
+        last = max(up.steps, default=crash.step)
+        out.append({"what": f"step {crash.step} after the reimpl raised, and steps {crash.step + 1}..{last}"
+                            if last > crash.step else f"step {crash.step} after the reimpl raised",
+                    "why": "the reimpl raised; tokens are not compared either"})
+    return out
 
 
 def write_report(result: CompareResult, path: Path) -> Path:

@@ -16,20 +16,6 @@ from .modules import get_module
 from .tokens import TOP_K
 from .upstream import DTYPES, UpstreamRecords
 
-# Reimpl policy switches per upstream pin: where upstream's behaviour changed
-# between pins, the reimpl follows the pin of the run it is compared against.
-# Keys are EngineConfig fields; a pin not listed gets the reimpl's defaults (v0.32.0).
-PIN_POLICIES: dict[str, dict] = {
-    # v0.21.0 BlockPool.free_blocks appends every freed block to the free queue;
-    # v0.32.0 prepends the ones without a hash (vllm/v1/core/block_pool.py).
-    "v0.21.0": {"free_policy": "append_all"},
-}
-
-
-def pin_policies(pin: str | None) -> dict:
-    return dict(PIN_POLICIES.get(pin or "", {}))
-
-
 def applicable(scenario, module: str | None = None) -> str | None:
     """Why the reimpl (for `module`) cannot run this scenario, or None if it can."""
     if scenario.engine.tensor_parallel_size != 1:
@@ -145,6 +131,9 @@ def run_reimpl(scenario, up: UpstreamRecords, components: dict[str, object], eng
         raise TourError("the upstream run has no scheduler/KV records: were probes installed?")
     args = up.meta["engine_args"]
     model_dir = Path(up.meta["model_path"])
+    from .. import pins
+
+    policies = pins.pin_profile(up.meta["pin"]).reimpl_policies()
     cfg = EngineConfig(
         model_dir=str(model_dir),
         block_size=kv["block_size"],
@@ -155,15 +144,15 @@ def run_reimpl(scenario, up: UpstreamRecords, components: dict[str, object], eng
         enable_prefix_caching=bool(kv["prefix_caching"]),
         dtype=dtype,
         bf16_attention_weights=up.isa == "amx",
-        **pin_policies(up.meta.get("pin")),
+        **policies,
     )
     if cfg.bf16_attention_weights:
         notes.append("upstream ran the AMX CPU attention kernel: the reimpl rounds its softmax weights to bf16 "
                      "before P·V as that kernel does (paged_attn.paged_attention bf16_weights)")
-    for k, v in pin_policies(up.meta.get("pin")).items():
-        notes.append(f"reimpl policy for pin {up.meta.get('pin')}: {k}={v}")
+    for k, v in policies.items():  # where upstream's behaviour changed between pins, the reimpl follows the run's
+        notes.append(f"reimpl policy for pin {up.meta['pin']}: {k}={v}")
     eos = _eos_token_id(model_dir)
-    by_id = {r.id: r for r in scenario.requests}
+    by_id = {r.req_id: r for r in scenario.requests}
     requests = []
     for r in up.meta["requests"]:
         # runs recorded before meta carried ignore_eos take it from the scenario

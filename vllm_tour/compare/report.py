@@ -89,6 +89,12 @@ def render(result: CompareResult, console: Console, explain: bool = False, max_r
         for s in first_bad.values():
             where = "all steps" if s.step is None else f"step {s.step}"
             console.print(f"  [red]{s.name} {where}[/] (failed: {', '.join(s.failed)}): {escape(s.note)}")
+    if not result.tensors_judged:
+        console.print(f"[yellow]tensors not judged[/]: {escape(result.module)} is judged on decisions and tokens only")
+    if result.not_compared:
+        console.print("[bold]not compared[/]:")
+        for item in result.not_compared:
+            console.print(f"  - {escape(item['what'])}: [dim]{escape(item['why'])}[/]")
     for n in result.notes:
         console.print(f"[dim]note: {escape(n)}[/]")
     if explain and result.explain:

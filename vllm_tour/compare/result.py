@@ -28,6 +28,8 @@ class CompareResult:
     upstream_isa: str | None = None  # CPU attention kernel ISA upstream ran (vec, amx, ...); None on CUDA
     dtype: str = "float32"  # what upstream ran in (and so the reimpl): decides the token rule and tolerance
     impl: dict[str, str] = field(default_factory=dict)  # component -> the learner's object that replaced the reference
+    not_compared: list[dict] = field(default_factory=list)  # [{what, why}]: what this comparison does not judge
+    tensors_judged: bool = True  # False: the module is judged on decisions and tokens only
 
     @property
     def first(self) -> Divergence | None:
@@ -78,8 +80,10 @@ class CompareResult:
                           "rule": self.tolerance.rule,
                           "exact": (["tokens"] if self.dtype == "float32" else [])
                           + ["scheduler decisions", "block tables and pool events", "runner inputs and slot mapping"]},
-            "tensor_summary": {"compared": len(self.tensors), "out_of_tolerance": len(self.bad_tensors),
-                               "max_abs": worst.max_abs if worst else None},
+            "tensors_judged": self.tensors_judged,
+            "tensor_summary": {"judged": self.tensors_judged, "compared": len(self.tensors),
+                               "out_of_tolerance": len(self.bad_tensors), "max_abs": worst.max_abs if worst else None},
+            "not_compared": self.not_compared,
             "divergences": [d.to_json() for d in self.divergences[:200]],
             "num_divergences": len(self.divergences),
             "tensors": [t.to_json() for t in self.tensors],

@@ -1,5 +1,8 @@
 """Tensor diffs: upstream's captured attention outputs, KV blocks, router logits and MoE outputs against the
-reimpl's, per step and layer."""
+reimpl's, per step and layer.
+
+A tensor of a judged kind that only one side produced at a step both sides captured is out of tolerance
+(a reimpl that skips a layer's capture must not pass). What is not judged is returned as not-compared items."""
 
 from __future__ import annotations
 
@@ -13,19 +16,33 @@ from .upstream import load_capture
 TOKEN_ROWS = ("attn_out.", "router_logits.", "moe_out.")  # one row per token of the step, in batch order
 
 
-def diff_tensors(run_dir, up_steps, re_steps, re_tensors, atol, rtol) -> list[TensorStat]:
+def diff_tensors(run_dir, up_steps, re_steps, re_tensors, atol, rtol,
+                 kinds: tuple[str, ...]) -> tuple[list[TensorStat], list[dict]]:
+    """kinds: the tensor kinds judged ("attn_out", "kv_blocks", "router_logits", "moe_out"). Steps only one side
+    ran are step divergences (diffs.diff_steps), not tensor ones. Returns (stats, not compared: [{what, why}])."""
     import torch
 
     stats: list[TensorStat] = []
-    for step in sorted(up_steps):
-        caps = up_steps[step].get("captures") or []
-        if not caps or step not in re_tensors:
+    uncaptured: list[int] = []
+    other_kinds: set[str] = set()
+    for step in sorted(set(up_steps) & set(re_tensors)):
+        caps = {rec["name"]: rec for rec in up_steps[step].get("captures") or []}
+        produced = {k: v for k, v in re_tensors[step].items() if "#" not in k}  # "#block_ids": side data
+        if not caps:
+            if produced:
+                uncaptured.append(step)
             continue
         up_runner, re_runner = up_steps[step].get("runner"), re_steps[step].get("runner")
-        for rec in caps:
-            name = rec["name"]
-            mine = re_tensors[step].get(name)
-            if mine is None:
+        for name in list(caps) + [n for n in produced if n not in caps]:
+            if name.split(".")[0] not in kinds:
+                other_kinds.add(name.split(".")[0])
+                continue
+            rec, mine = caps.get(name), produced.get(name)
+            if rec is None or mine is None:
+                lacking, shape = ("reimpl", rec["shape"]) if mine is None else ("upstream", list(mine.shape))
+                other = "upstream" if lacking == "reimpl" else "reimpl"
+                stats.append(TensorStat(name, step, shape, float("inf"), float("inf"), atol, rtol, False,
+                                        f"missing: the {lacking} did not produce {name} at step {step} (the {other} did)"))
                 continue
             up_t = load_capture(run_dir, rec)
             if name.startswith(TOKEN_ROWS) and up_runner and re_runner:
@@ -52,7 +69,27 @@ def diff_tensors(run_dir, up_steps, re_steps, re_tensors, atol, rtol) -> list[Te
                 mask = _valid_slots_mask(up_t, ids or mine_ids or [], re_steps[step], up_t.shape[3])
                 stats.append(diffs.compare_tensor(name, step, up_t, mine, atol, rtol, mask,
                                                   "slots holding tokens (stale slots past each sequence end ignored)"))
-    return stats
+    not_compared = []
+    if any(s.name.startswith("kv_blocks.") for s in stats):
+        not_compared.append({"what": "KV cache slots past each sequence's end in the written blocks",
+                             "why": "stale: a reused block keeps whatever its last owner wrote there, and neither side clears it"})
+    if uncaptured:
+        not_compared.append({"what": f"tensors at steps {_ranges(uncaptured)}",
+                             "why": "upstream captured no tensors at these steps (a run recorded with --capture-steps)"})
+    for kind in sorted(other_kinds):
+        not_compared.append({"what": f"{kind}.* tensors", "why": f"the module is not judged on {kind} (it judges: {', '.join(kinds)})"})
+    return stats, not_compared
+
+
+def _ranges(steps: list[int]) -> str:
+    """[1, 2, 3, 7] -> "1-3, 7"."""
+    out: list[list[int]] = []
+    for s in steps:
+        if out and s == out[-1][1] + 1:
+            out[-1][1] = s
+        else:
+            out.append([s, s])
+    return ", ".join(f"{a}-{b}" if a != b else f"{a}" for a, b in out)
 
 
 def _valid_slots_mask(t, block_ids: list[int], re_step: dict, block_size: int):

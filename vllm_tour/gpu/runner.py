@@ -29,7 +29,7 @@ IEEE fp32 instead of NVIDIA's default TF32. The trace's meta.env records it, and
 compare's tensor tolerance follows it (diffs.tolerance_for: fp32 1e-5).
 
 Upstream's attention backend is the pin's (v0.21.0: TRITON_ATTN, passed as
-`attention_config` by trace.run.engine_kwargs) or `--attention-backend`, which
+`attention_config` by upstream_run.engine_kwargs) or `--attention-backend`, which
 sets each scenario's `engine.attention_backend`.
 The pure-Python parts (plan, deadline, dist-info, packing, the bf16 rule)
 are tested on CPU in tests/test_gpu_runner.py.
@@ -51,7 +51,6 @@ from ..compare.modules import MODULES as COMPARE_MODULES
 from ..compare.tokens import first_difference, logprobs_close
 
 REPO = Path(__file__).resolve().parents[2]
-DEFAULT_PIN = "v0.21.0"
 TRACE_SCENARIOS = ("single", "concurrent8", "chunked_prefill", "preemption", "shared_prefix")
 COMPARE_SCENARIOS = ("cmp_single", "cmp_chunked", "cmp_preempt", "cmp_shared_prefix",
                      "cmp_single_bf16", "cmp_chunked_bf16", "cmp_preempt_bf16")
@@ -184,7 +183,7 @@ def _scenario(name: str):
 
 def cmd_trace(a) -> int:
     from ..errors import TourError
-    from ..trace.run import CAPTURE_NAMES, run_upstream
+    from ..upstream_run import CAPTURE_NAMES, run_upstream
 
     out = Path(a.out) / "traces"
     out.mkdir(parents=True, exist_ok=True)
@@ -195,7 +194,7 @@ def cmd_trace(a) -> int:
         capture = list(CAPTURE_NAMES) if name in a.capture.split(",") else []
         try:
             sc = _scenario(name)
-            if a.attention_backend:  # else the pin's default (trace.run.engine_kwargs)
+            if a.attention_backend:  # else the pin's default (upstream_run.engine_kwargs)
                 sc.engine.attention_backend = a.attention_backend
             try:
                 run_upstream(sc, run_dir=run_dir, capture=capture)
@@ -240,28 +239,28 @@ def cmd_compare(a) -> int:
     return rc
 
 
-def _upstream_tokens(sc, model_dir: str, dtype: str, backend: str | None, logprobs: int):
+def _upstream_tokens(sc, model_dir: str, dtype: str, backend: str | None, logprobs: int, pin: str):
     """Upstream greedy tokens (+ top-k ids per position) for a scenario's requests, all at once."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from ..trace.run import engine_kwargs
+    from ..upstream_run import engine_kwargs
 
-    kw = engine_kwargs(sc, Path(model_dir), DEFAULT_PIN)
+    kw = engine_kwargs(sc, Path(model_dir), pin)
     kw["dtype"] = dtype
     for k in ("disable_log_stats", "use_tqdm_on_load"):
         kw.pop(k, None)
     if backend:
         kw["attention_config"] = {"backend": backend}
     llm = LLM(**kw)
-    prompts = [TokensPrompt(prompt_token_ids=list(r.token_ids)) for r in sc.requests]
+    prompts = [TokensPrompt(prompt_token_ids=list(r.prompt_token_ids)) for r in sc.requests]
     params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True, logprobs=logprobs) for r in sc.requests]
     outs = llm.generate(prompts, params, use_tqdm=False)
     res = {}
     for r, o in zip(sc.requests, outs):
         c = o.outputs[0]
         top = [sorted(lp, key=lambda t: -lp[t].logprob)[:logprobs] for lp in (c.logprobs or [])]
-        res[r.id] = {"tokens": list(c.token_ids), "top": top}
+        res[r.req_id] = {"tokens": list(c.token_ids), "top": top}
     del llm
     import gc
 
@@ -269,20 +268,25 @@ def _upstream_tokens(sc, model_dir: str, dtype: str, backend: str | None, logpro
     return res
 
 
-def _reimpl_tokens(sc, model_dir: str, dtype, topk: int):
-    """reimpl/fast_engine.py on the GPU: the mini engine's decisions, Triton attention, greedy."""
+def _reimpl_tokens(sc, model_dir: str, dtype, topk: int, pin: str):
+    """reimpl/fast_engine.py on the GPU: the mini engine's decisions (with the pin's policies), Triton attention,
+    greedy."""
     import torch
 
-    from reimpl.fast_engine import FastConfig, FastEngine, FastQwen3, FastRequest
+    from reimpl.config import EngineConfig, RequestIn
+    from reimpl.fast_engine import FastEngine, FastQwen3
+
+    from .. import pins
 
     e = sc.engine
     model = FastQwen3.from_dir(model_dir, device="cuda", dtype=dtype)
-    eng = FastEngine(model, FastConfig(block_size=e.block_size, num_blocks=(e.num_blocks or 256) + 1,
-                                       max_num_batched_tokens=e.max_num_batched_tokens or 8192,
-                                       max_num_seqs=e.max_num_seqs or 256, max_model_len=e.max_model_len,
-                                       enable_prefix_caching=e.enable_prefix_caching, cuda_graphs=False))
+    eng = FastEngine(model, EngineConfig(block_size=e.block_size, num_blocks=(e.num_blocks or 256) + 1,
+                                         max_num_batched_tokens=e.max_num_batched_tokens or 8192,
+                                         max_num_seqs=e.max_num_seqs or 256, max_model_len=e.max_model_len,
+                                         enable_prefix_caching=e.enable_prefix_caching, cuda_graphs=False,
+                                         **pins.pin_profile(pin).reimpl_policies()))
     eng.record_topk = topk
-    outs = eng.generate([FastRequest(r.id, list(r.token_ids), r.max_tokens, 0.0, None, r.arrival_step) for r in sc.requests])
+    outs = eng.generate([RequestIn(r.req_id, list(r.prompt_token_ids), r.max_tokens, 0.0, None, r.arrival_step) for r in sc.requests])
     res = {rid: {"tokens": toks, "top": eng.topk.get(rid, [])} for rid, toks in outs.items()}
     del eng, model
     torch.cuda.empty_cache()
@@ -301,14 +305,14 @@ def cmd_tokens(a) -> int:
     ok = True
     for name in a.scenarios.split(","):
         sc = _scenario(name)
-        if any(r.token_ids is None for r in sc.requests):
+        if any(r.prompt_token_ids is None for r in sc.requests):
             continue
         model_dir = str(resolve_model(sc.model))
         entry = {}
         for dtype_name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
             try:
-                up = _upstream_tokens(sc, model_dir, dtype_name, a.attention_backend, 5)
-                re_ = _reimpl_tokens(sc, model_dir, dtype, 5)
+                up = _upstream_tokens(sc, model_dir, dtype_name, a.attention_backend, 5, a.pin)
+                re_ = _reimpl_tokens(sc, model_dir, dtype, 5, a.pin)
                 per = {}
                 for rid in up:
                     u, r = up[rid], re_.get(rid, {"tokens": [], "top": []})
@@ -342,7 +346,7 @@ def step_commands(a) -> dict[str, list[str]]:
                   "--capture", ",".join(a.compare_scenarios)],
         "compare": [py, "-m", me, "compare", *common, "--scenarios", ",".join(a.compare_scenarios),
                     "--modules", ",".join(a.modules)],
-        "tokens": [py, "-m", me, "tokens", *common, "--scenarios", ",".join(a.compare_scenarios)],
+        "tokens": [py, "-m", me, "tokens", *common, "--scenarios", ",".join(a.compare_scenarios), "--pin", a.pin],
         "race": [py, str(REPO / "vllm_tour" / "bench" / "race_gpu.py"), "--json", str(Path(a.out) / "race.json"),
                  "--sides", a.race_sides],
     }
@@ -394,6 +398,9 @@ def cmd_all(a) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from ..pins import default_pin
+
+    cuda_pin = default_pin("cuda")  # the pin of the CUDA engine this machine carries
     ap = argparse.ArgumentParser(prog="python -m vllm_tour.gpu.runner", description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
 
@@ -403,7 +410,7 @@ def build_parser() -> argparse.ArgumentParser:
         return p
 
     p = common(sub.add_parser("all", help="every step, one deadline"))
-    p.add_argument("--pin", default=DEFAULT_PIN)
+    p.add_argument("--pin", default=cuda_pin)
     p.add_argument("--site", default=os.environ.get("SITE", "/tmp/vllm-cuda"))
     p.add_argument("--steps", type=lambda s: [x for x in s.split(",") if x], default=list(STEPS))
     p.add_argument("--trace-scenarios", type=lambda s: [x for x in s.split(",") if x], default=list(TRACE_SCENARIOS))
@@ -421,6 +428,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--modules", default=",".join(MODULES))
     p = common(sub.add_parser("tokens"))
     p.add_argument("--scenarios", required=True)
+    p.add_argument("--pin", default=cuda_pin, help="upstream's engine arguments and the reimpl's policies follow this pin's profile")
     p = sub.add_parser("archive", help="fold OUT into one results.tar.gz under 16 MiB (captures left out)")
     p.add_argument("--out", default=os.environ.get("OUT", "traces/runs/gpu"))
     return ap

@@ -1,7 +1,7 @@
 """Probes on the attention backends (worker processes): CPU_ATTN (v0.32.0, CPU),
 TRITON_ATTN and FLASH_ATTN (v0.21.0, CUDA). One declaration per backend and pin;
-`install.probes_for` picks the one the engine runs (`DEFAULT_BACKEND` unless the
-scenario names `engine.attention_backend`).
+`install.probes_for` picks the one the engine runs (the pin profile's
+default_attention_backend unless the scenario names `engine.attention_backend`).
 
 The metadata builder's output is exactly what the attention kernel receives:
 sequence lengths, query offsets, block-table rows and the slot mapping.
@@ -23,15 +23,8 @@ CPU_ATTN = "vllm.v1.attention.backends.cpu_attn"
 TRITON_ATTN = "vllm.v1.attention.backends.triton_attn"
 FLASH_ATTN = "vllm.v1.attention.backends.flash_attn"
 CUDA_PINS = ("v0.21.0",)
-# The backend each pin's engine runs when a scenario names none. v0.21.0 on CUDA is told
-# TRITON_ATTN (trace/run.py passes it): FLASH_ATTN, upstream's own CUDA default, has no fp32.
-DEFAULT_BACKEND = {"v0.32.0": "CPU_ATTN", "v0.21.0": "TRITON_ATTN"}
-# KV-cache tensor layout per backend (TRITON/FLASH: from their get_kv_cache_shape on v0.21.0).
-KV_LAYOUT = {
-    "CPU_ATTN": None,  # resolved from the cache config (e.g. LBHNC)
-    "TRITON_ATTN": "[blocks, 2, block_size, kv_heads, head]",
-    "FLASH_ATTN": "[2, blocks, block_size, kv_heads, head]",
-}
+# Which backend a pin runs by default, and each CUDA backend's KV-cache axis order, are the
+# pin's profile (pins/<tag>.toml [profile]); CPU_ATTN's layout is read from the cache config.
 
 
 def _np(t):
@@ -154,13 +147,19 @@ build = Probe(
 )
 
 
+def _profile_layout(backend: str) -> str | None:
+    from .. import pins
+    from .install import current_pin
+
+    return pins.pin_profile(current_pin()).kv_layouts.get(backend)
+
+
 def _build_probe(backend: str, module: str, cls: str) -> Probe:
     """v0.21.0's CUDA builders: build(self, common_prefix_len, common_attn_metadata, fast_build=False)."""
-    layout = KV_LAYOUT[backend]
 
     def after(token, md, self, common_prefix_len, common_attn_metadata, *a, **kw):
         kw.pop("fast_build", None)
-        _build_after(token, md, self, common_prefix_len, common_attn_metadata, layout=layout)
+        _build_after(token, md, self, common_prefix_len, common_attn_metadata, layout=_profile_layout(backend))
 
     return Probe(
         name="attention.build",

@@ -30,18 +30,27 @@ def current_pin() -> str:
 
 
 def current_backend(pin: str) -> str | None:
-    return os.environ.get(BACKEND_ENV) or attention.DEFAULT_BACKEND.get(pin)
+    from .. import pins
+
+    return os.environ.get(BACKEND_ENV) or pins.pin_profile(pin).default_attention_backend
 
 
 def probes_for(pin: str, backend: str | None = None, probes: list[Probe] | None = None) -> list[Probe]:
     """The declarations that apply on `pin` with attention backend `backend` (default: the pin's).
 
     Probes without a backend apply on every pin (resolve() then refuses a pin they
-    were not checked against), except `own_pins_only` ones, which apply on their pins only. Backend-specific ones (attention, capture) are
-    chosen by (pin, backend); a name with no declaration for both is an error.
+    were not checked against), except `own_pins_only` ones, which apply on their pins only.
+    Backend-specific ones (attention, capture) are chosen by (pin, backend); a name with no
+    declaration for both is an error.
     """
+    from .. import pins
+
     probes = PROBES if probes is None else probes
-    backend = backend or attention.DEFAULT_BACKEND.get(pin)
+    profile = pins.pin_profile(pin)
+    backend = backend or profile.default_attention_backend
+    if backend not in profile.attention_backends:
+        raise TourError(f"pin {pin} has probes for the attention backends {', '.join(profile.attention_backends)} "
+                        f"(its profile in pins/{pin}.toml), not {backend}")
     probes = [p for p in probes if not p.own_pins_only or pin in p.pins]
     out = [p for p in probes if p.backend is None or (p.backend == backend and pin in p.pins)]
     chosen = {p.name for p in out}

@@ -22,7 +22,7 @@ import re
 import tomllib
 from pathlib import Path
 
-from pydantic import BaseModel, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ..errors import TourError
 from ..paths import ANNOTATIONS_DIR
@@ -33,6 +33,8 @@ PROBE_KINDS = ("scheduler", "kv", "runner", "attention", "moe")
 
 
 class Note(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # a misspelt key (`anchr`) would silently widen the note
+
     id: str
     symbol: str
     anchor: str | None = None
@@ -83,6 +85,8 @@ class Note(BaseModel):
 
 
 class Subsystem(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     name: str = ""  # the file stem
     order: int
     pin: str  # the pin the notes were written (and checked) against
@@ -113,6 +117,11 @@ def load_file(path: Path) -> Subsystem:
     except ValidationError as e:
         first = e.errors()[0]
         where = ".".join(str(x) for x in first["loc"])
+        if first["type"] == "extra_forbidden":
+            loc = first["loc"]
+            notes = data.get("note") if isinstance(data.get("note"), list) else []
+            owner = f"note {notes[loc[1]].get('id', loc[1])!r}: " if loc[0] == "note" and len(loc) == 3 else ""
+            raise TourError(f"invalid annotation file {path}: {owner}unknown key {loc[-1]!r}") from None
         raise TourError(f"invalid annotation file {path}: {where}: {first['msg']}") from None
     sub.name = path.stem
     for n in sub.notes:

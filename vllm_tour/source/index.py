@@ -57,10 +57,13 @@ def qualnames(root: Path) -> list[str]:
         except ValueError:
             pass  # a torn write: rebuild
     names = _scan(root)
-    cached.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cached.with_suffix(".tmp")
-    tmp.write_text(json.dumps(names))
-    tmp.replace(cached)
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_suffix(".tmp")
+        tmp.write_text(json.dumps(names))
+        tmp.replace(cached)
+    except OSError:
+        pass  # only a cache (an unwritable VLLM_TOUR_CACHE): the next call scans again
     return names
 
 

@@ -12,6 +12,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from ..errors import TourError
+from ..models import TINY_MODELS
 from ..scenario import Scenario, load_scenario, scenario_from_dict
 
 
@@ -65,14 +66,24 @@ def _slug(text: str) -> str:
     return "-".join(words[:4]).lower() or "prompt"
 
 
+def check_out(out: Path | None, force: bool) -> None:
+    """A rerun into an existing run dir replaces its records: only with --force."""
+    if out is not None and out.is_dir() and any(out.iterdir()) and not force:
+        raise TourError(f"--out {out} exists and is not empty (a trace replaces its meta.json, records and captures): "
+                        "give --force to replace them, or another --out")
+
+
 def trace(scenario: Scenario, out: Path | None, capture: list[str], capture_steps: str, multiprocess: bool, console: Console,
-          logprobs: int | None = None) -> Path:
+          logprobs: int | None = None, force: bool = False) -> Path:
     from .reader import load_run
-    from .run import run_upstream
+    from ..upstream_run import run_upstream
+
+    check_out(out, force)
 
     started = time.time()
     total = len(scenario.requests)
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} requests"), TimeElapsedColumn(), console=console, transient=True) as bar:
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} requests"), TimeElapsedColumn(), console=console, transient=True,
+                  disable=not console.is_terminal) as bar:
         task = bar.add_task(f"starting upstream vLLM ({scenario.model})…", total=total)
 
         def progress(step: int, done: int, total: int) -> None:
@@ -102,6 +113,8 @@ def summarize(run, elapsed: float, console: Console) -> None:
     if run.outputs:
         for o in run.outputs.requests[:4]:
             print_(escape(f"  {o.req_id}: {len(o.token_ids)} tokens → {o.text[:50]!r}"))
+        if run.meta.model in TINY_MODELS:
+            print_(f"  [dim]({run.meta.model} has random weights: its text is gibberish by design; the steps are the point)[/]")
     if run.errors:
         print_(f"  [bold red]{len(run.errors)} probe error(s)[/]: " + escape(f"{run.errors[0].probe}: {run.errors[0].error}"))
     for w in run.warnings:

@@ -101,7 +101,7 @@ def write_golden(run: Run, dest: Path, drop_capture_records: bool = False) -> Pa
 
 def record(names: list[str]) -> None:
     from ..scenario import load_scenario
-    from .run import run_upstream
+    from ..upstream_run import run_upstream
 
     for name in names:
         run_dir = run_upstream(load_scenario(SCENARIOS_DIR / f"{name}.toml"), Path("/tmp") / f"vllm-tour-golden-{name}")

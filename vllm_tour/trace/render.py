@@ -89,14 +89,15 @@ def _events_cell(step: Step, run: Run, finishing: list[str] = ()) -> Text:
     return t
 
 
-def step_table(run: Run, focus: str | None = None) -> Table:
+def step_table(run: Run, focus: str | None = None, only: Step | None = None) -> Table:
+    """Every step of the run, or `only` that one (its finishes still judged on the whole run)."""
     col = colors(run)
-    title = escape(f"{run.path.name} — {len(run.steps)} steps")
+    title = escape(f"{run.path.name} — step {only.index} of {len(run.steps)}" if only else f"{run.path.name} — {len(run.steps)} steps")
     table = Table(title=title, title_justify="left", expand=False)
-    for c, j in (("step", "right"), ("wait", "right"), ("run", "right"), ("tokens", "right"), ("batch  (N new · R resumed · P prefill tokens · D decode)", "left"), ("KV free", "right"), ("events", "left")):
+    for c, j in (("step", "right"), ("wait", "right"), ("run", "right"), ("tokens", "right"), ("batch  (N new · R resumed · P prefill tokens · D decode)", "left"), ("KV free (usable)", "right"), ("events", "left")):
         table.add_column(c, justify=j, overflow="fold")
     finishing = last_steps(run)
-    for s in run.steps:
+    for s in [only] if only else run.steps:
         if focus and not _involves(s, focus):
             continue
         sch, kv = s.scheduler, s.kv
@@ -150,7 +151,7 @@ def block_grid(run: Run, step: Step, only: str | None = None) -> Table:
 
 
 def step_detail(run: Run, step: Step) -> Group:
-    parts = [step_table_for(run, step)]
+    parts = [step_table(run, only=step)]
     sch = step.scheduler
     if sch:
         t = Table(title=f"step {step.index}: scheduled", title_justify="left", min_width=60)
@@ -194,11 +195,6 @@ def step_detail(run: Run, step: Step) -> Group:
     return Group(*parts)
 
 
-def step_table_for(run: Run, step: Step) -> Table:
-    sub = Run(run.path, run.meta, run.outputs, [step], run.errors, [])
-    return step_table(sub)
-
-
 def request_view(run: Run, rid: str) -> Group:
     if rid not in run.request_ids():
         raise TourError(f"no request {rid!r} in {run.path.name} (requests: {', '.join(run.request_ids())})")
@@ -225,7 +221,11 @@ def header(run: Run) -> Text:
     t = Text()
     t.append(f"{run.path}\n", style="bold")
     t.append(f"pin {m.pin} · vLLM {m.vllm_version} · model {m.model} · status {m.status}\n")
-    t.append(f"block_size {e.get('block_size')} · blocks {e.get('num_gpu_blocks_override', 'auto')} · prefix caching {e.get('enable_prefix_caching')} · TP {e.get('tensor_parallel_size')} · budget {e.get('max_num_batched_tokens', 'default')}\n", style="dim")
+    usable = next((s.kv.num_blocks for s in run.steps if s.kv), None)
+    # Upstream's pool holds one block more than it hands out: block 0, the null block, a placeholder
+    # in block tables that never stores KV. "KV free" below counts the usable blocks only.
+    blocks = f"KV blocks {usable} usable + 1 null (block 0, never allocated)" if usable is not None else "KV blocks: no KV records"
+    t.append(f"block_size {e.get('block_size')} · {blocks} · prefix caching {e.get('enable_prefix_caching')} · TP {e.get('tensor_parallel_size')} · budget {e.get('max_num_batched_tokens', 'default')}\n", style="dim")
     return t
 
 

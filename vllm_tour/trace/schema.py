@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, Field
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
 SCHEMA_VERSION = 1
 
@@ -233,14 +233,20 @@ Record = Annotated[
 
 
 class RequestSpec(BaseModel):
-    req_id: str
+    """One request: as a scenario file gives it (`id`, `prompt` or `token_ids`) and as meta.json
+    records it after the run (`req_id`, `prompt_token_ids` filled in from the tokenizer)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    req_id: str = Field(validation_alias=AliasChoices("req_id", "id"))
     prompt: str | None = None
-    prompt_token_ids: list[int]
-    max_tokens: int
+    prompt_token_ids: list[int] | None = Field(None, validation_alias=AliasChoices("prompt_token_ids", "token_ids"))
+    max_tokens: int = 16
     temperature: float = 0.0
     seed: int | None = None
     arrival_step: int = 0  # added before the driver's step with this index: 0 -> scheduled from step 1
-    ignore_eos: bool | None = None  # None: recorded before runs carried it (read it from the scenario)
+    # None: not given (the engine stops at EOS); in meta.json, a run recorded before runs carried it
+    ignore_eos: bool | None = None
 
 
 class RunMeta(BaseModel):

@@ -9,6 +9,10 @@
 The driver owns the step loop (`LLMEngine.step()`), so a request's
 `arrival_step` is honoured exactly in-process; with the EngineCore in its own
 process (`multiprocess=True`) the core runs freely and arrivals are approximate.
+
+Layers, each importing only those before it: trace (schema, writer, reader: the records)
+<- probes (write them from inside vLLM) <- this driver (starts the engine with probes)
+<- compare, repro and the commands.
 """
 
 from __future__ import annotations
@@ -23,13 +27,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
-from .. import __version__
-from ..errors import TourError
-from ..logprobs import default_logprobs
-from ..paths import RUNS_DIR
-from ..scenario import Scenario
-from .schema import Outputs, RequestOutput, RequestSpec, RunMeta
-from .writer import CAPTURE_ENV, CAPTURE_STEPS_ENV, RECORDER, RUN_DIR_ENV, write_json_atomic
+from . import __version__
+from .errors import TourError
+from .logprobs import default_logprobs
+from .paths import RUNS_DIR, cache_dir
+from .scenario import Scenario
+from .trace.schema import Outputs, RequestOutput, RunMeta
+from .trace.writer import CAPTURE_ENV, CAPTURE_STEPS_ENV, RECORDER, RUN_DIR_ENV, parse_steps, write_json_atomic
+from .writable import check_dir
 
 Progress = Callable[[int, int, int], None]  # (engine steps done, requests finished, requests total)
 DEFAULT_KV_BYTES = 64 << 20
@@ -68,22 +73,18 @@ def new_run_dir(slug: str) -> Path:
     return path
 
 
-# Per-pin engine settings the pin's platform needs. v0.21.0 runs on CUDA: it is told its attention
-# backend (probes.attention.DEFAULT_BACKEND; upstream would pick FLASH_ATTN, which has no fp32) and
-# runs the synchronous scheduler, as v0.32.0 on CPU does (async scheduling would leave the runner
-# probe no sampled ids to read and shift decisions against the reimpl's step loop).
-PIN_ENGINE_ARGS: dict[str, dict] = {"v0.21.0": {"async_scheduling": False}}
-PIN_PASSES_BACKEND = {"v0.21.0"}  # pins whose engine is told the backend (0.21: attention_config)
+def attention_backend(scenario: Scenario, pin: str) -> str | None:
+    """The attention backend the engine runs for this scenario on this pin (None: the engine's choice)."""
+    from . import pins
+
+    return scenario.engine.attention_backend or pins.pin_profile(pin).default_attention_backend
 
 
-def attention_backend(scenario: Scenario, pin: str | None) -> str | None:
-    """The attention backend the engine runs for this scenario on this pin (None: unknown pin, engine's choice)."""
-    from ..probes.attention import DEFAULT_BACKEND
+def engine_kwargs(scenario: Scenario, model_path: Path, pin: str) -> dict:
+    """The engine arguments for this scenario on this pin (its profile's engine_args and backend rule)."""
+    from . import pins
 
-    return scenario.engine.attention_backend or DEFAULT_BACKEND.get(pin or "")
-
-
-def engine_kwargs(scenario: Scenario, model_path: Path, pin: str | None = None) -> dict:
+    profile = pins.pin_profile(pin)
     e = scenario.engine
     kw = dict(
         model=str(model_path),
@@ -108,17 +109,17 @@ def engine_kwargs(scenario: Scenario, model_path: Path, pin: str | None = None) 
         kw["distributed_executor_backend"] = "mp"
     if e.enable_expert_parallel:
         kw["enable_expert_parallel"] = True
-    if e.attention_backend or pin in PIN_PASSES_BACKEND:
+    if e.attention_backend or profile.pass_attention_backend:
         backend = attention_backend(scenario, pin)
         if backend:
             kw["attention_config"] = {"backend": backend}
-    kw.update(PIN_ENGINE_ARGS.get(pin or "", {}))
+    kw.update(profile.engine_args)
     return kw
 
 
 def check_pin(tag: str):
     """The pin must exist and match the installed vLLM; TourError otherwise."""
-    from ..pins import installed_vllm, load_pin
+    from .pins import installed_vllm, load_pin
 
     pin = load_pin(tag)
     inst = installed_vllm()
@@ -151,6 +152,15 @@ def _check_capture(capture: list[str]) -> list[str]:
     return names
 
 
+def _check_capture_steps(spec: str) -> None:
+    try:
+        steps = parse_steps(spec)
+    except ValueError:
+        steps = set()
+    if steps is not None and not steps:
+        raise TourError(f"--capture-steps {spec!r}: give step numbers and ranges, e.g. 1-3,7")
+
+
 def run_upstream(
     scenario: Scenario,
     run_dir: Path | None = None,
@@ -171,20 +181,26 @@ def run_upstream(
     position's top-k token ids and logprobs in outputs.json (None: k = 5 unless
     the scenario runs in float32; see default_logprobs). Everything that can be
     checked is checked before the engine starts: pin, model, capture names,
-    every probe target.
+    every probe target, the prompts against the model, where the run dir goes.
     """
-    from ..models import model_digest, resolve_model
-    from ..pins import active_pin_tag
-    from ..probes import cpu_isa
-    from ..probes.install import BACKEND_ENV, PIN_ENV, check_probes, install_all
+    from .models import TINY_MODELS, model_digest, resolve_model, tiny_model_dir
+    from .pins import active_pin_tag
+    from .probes import cpu_isa
+    from .probes.install import BACKEND_ENV, PIN_ENV, check_probes, install_all
 
     tag = scenario.pin or active_pin_tag()
     check_pin(tag)
     names = _check_capture(capture)
+    _check_capture_steps(capture_steps)
     logprobs = default_logprobs(scenario.engine.dtype) if logprobs is None else logprobs
     if logprobs < 0:
         raise TourError(f"logprobs must be >= 0, got {logprobs}")
+    if scenario.model in TINY_MODELS and not (tiny_model_dir(scenario.model) / "model.safetensors").exists():
+        check_dir(cache_dir() / "models", "model cache (VLLM_TOUR_CACHE)")  # generated there on first use
     model_path = resolve_model(scenario.model)
+    scenario.check_model(model_path)
+    run_dir = Path(run_dir) if run_dir else new_run_dir(scenario.name)
+    check_dir(run_dir, "run directory")
     backend = attention_backend(scenario, tag)
     if probes:
         check_probes(tag, backend=backend)  # a missing target fails here, before any engine starts
@@ -192,7 +208,6 @@ def run_upstream(
         cpu_isa.check(scenario.engine.cpu_attention_isa, scenario.engine.dtype, backend)
     kwargs = engine_kwargs(scenario, model_path, tag)
 
-    run_dir = Path(run_dir) if run_dir else new_run_dir(scenario.name)
     run_dir.mkdir(parents=True, exist_ok=True)
     for stale in ("outputs.json", "meta.json"):
         (run_dir / stale).unlink(missing_ok=True)
@@ -221,19 +236,7 @@ def run_upstream(
         model_path=str(model_path),
         model_digest=_digest(model_digest, model_path),
         engine_args={**kwargs, "multiprocess": multiprocess, "probes": probes, "capture": names, "logprobs": logprobs},
-        requests=[
-            RequestSpec(
-                req_id=r.id,
-                prompt=r.prompt,
-                prompt_token_ids=r.token_ids or [],
-                max_tokens=r.max_tokens,
-                temperature=r.temperature,
-                seed=r.seed,
-                arrival_step=r.arrival_step,
-                ignore_eos=r.ignore_eos,
-            )
-            for r in scenario.requests
-        ],
+        requests=[r.model_copy(update={"ignore_eos": bool(r.ignore_eos)}) for r in scenario.requests],
         env={},
         platform=platform_info(),
         started=time.time(),
@@ -290,10 +293,10 @@ def _drive(scenario: Scenario, kwargs: dict, progress: Progress | None, logprobs
             # An idle engine would not step: requests due later arrive now.
             while pending and (pending[0].arrival_step <= step or not engine.has_unfinished_requests()):
                 r = pending.pop(0)
-                params = SamplingParams(max_tokens=r.max_tokens, temperature=r.temperature, seed=r.seed, ignore_eos=r.ignore_eos,
-                                        logprobs=logprobs or None)
-                prompt = {"prompt_token_ids": list(r.token_ids)} if r.token_ids is not None else r.prompt
-                engine.add_request(r.id, prompt, params)
+                params = SamplingParams(max_tokens=r.max_tokens, temperature=r.temperature, seed=r.seed,
+                                        ignore_eos=bool(r.ignore_eos), logprobs=logprobs or None)
+                prompt = {"prompt_token_ids": list(r.prompt_token_ids)} if r.prompt_token_ids is not None else r.prompt
+                engine.add_request(r.req_id, prompt, params)
             for out in engine.step():
                 if out.finished:
                     c = out.outputs[0]
@@ -310,7 +313,7 @@ def _drive(scenario: Scenario, kwargs: dict, progress: Progress | None, logprobs
                 progress(step, len(done), total)
             if step > MAX_STEPS:
                 raise TourError(f"engine did not finish within {MAX_STEPS} steps")
-        return [done[r.id] for r in scenario.requests if r.id in done]
+        return [done[r.req_id] for r in scenario.requests if r.req_id in done]
     finally:
         _shutdown(engine)
 
