@@ -221,6 +221,8 @@ class Engine:
                 tensors[name] = (moe.routing.logits if name.startswith("router_logits") else moe.out).clone()
             elif name == "logits":
                 tensors[name] = logits.clone()
+            elif name == "tp":  # a tensor-parallel model's collectives, per rank (reimpl/tp.py)
+                tensors.update(self.model.group.recorded)
         runner = {
             "kind": "runner", "step": out.step, "proc": self.proc,
             "num_tokens": len(input_ids),

@@ -13,6 +13,7 @@ from vllm_tour.errors import TourError
 DIGESTS = {
     "tiny-qwen3": "395f8faa9b46fa596e07aa948af5ce822ee7357b9ed4c817aee25148f81e8710",
     "tiny-qwen3-moe": "be75f127ae2b576e2bbd18bbece5241518024f83cd06a32c77d7d9299bc108c9",
+    "tiny-qwen3-tp": "5ee306a73d23af21ef637d4a05b0ac3aa7b7cbdae200e74a30987ec703641cb7",
 }
 
 

@@ -97,7 +97,7 @@ def doctor(
 
 @models_app.command("make")
 def models_make(
-    name: str = typer.Argument("tiny-qwen3", help="tiny-qwen3 or tiny-qwen3-moe."),
+    name: str = typer.Argument("tiny-qwen3", help="tiny-qwen3, tiny-qwen3-moe or tiny-qwen3-tp."),
     force: bool = flag(help="Regenerate even if present."),
 ):
     """Generate a tiny checkpoint (HF layout) in the user cache and print its path and digest."""

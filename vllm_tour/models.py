@@ -26,7 +26,7 @@ import numpy as np
 from .errors import TourError
 from .paths import DATA_DIR, cache_dir
 
-TINY_MODELS = ("tiny-qwen3", "tiny-qwen3-moe")
+TINY_MODELS = ("tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen3-tp")
 DEFAULT_MODEL = "tiny-qwen3"
 # Bump when the generator changes: it names the cache directory, so an old
 # checkpoint is never mistaken for a new one.
@@ -62,6 +62,16 @@ CONFIGS = {
         "architectures": ["Qwen3ForCausalLM"],
         "model_type": "qwen3",
         "intermediate_size": 512,
+    },
+    # For tensor parallelism at TP=2: one KV head (so each rank holds a replica of it, not a half) and a
+    # vocabulary that is no multiple of 64 (so the embedding and LM head shards carry padding rows).
+    "tiny-qwen3-tp": {
+        **_COMMON,
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "intermediate_size": 512,
+        "vocab_size": 500,
+        "num_key_value_heads": 1,
     },
     "tiny-qwen3-moe": {
         **_COMMON,

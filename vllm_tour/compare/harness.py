@@ -28,9 +28,10 @@ from .diffs import Divergence
 from .explain import explain as explain_divergence
 from .explain import topk_notes
 from .modules import CAPTURES, MODULES, get_module
-from .reimpl_side import applicable, check_module, engine_components, run_reimpl
+from .reimpl_side import applicable, check_module, engine_components, model_factory, run_reimpl
 from .result import CompareResult
 from .tensor_diff import diff_tensors
+from .tp_diff import diff_tp
 from .tokens import TOP_K
 from .upstream import load_upstream, run_dtype, upstream_run_for
 
@@ -96,7 +97,7 @@ def compare(module: str, scenario_path: Path | str, *, fresh: bool = False, upst
     try:
         engine, results, notes = run_reimpl(scenario, up, components, engine_factory,
                                             capture=(captures or CAPTURES) if tensors else (),
-                                            on_step=collected.append, dtype=dtype)
+                                            on_step=collected.append, dtype=dtype, build_model=model_factory(module))
     except TourError:
         raise
     except Exception as e:  # the reimpl crashed: a divergence at the step it crashed in
@@ -148,7 +149,14 @@ def compare(module: str, scenario_path: Path | str, *, fresh: bool = False, upst
         divs.append(crash)
     not_compared = _not_compared(module, up, sampled_at, verdicts, crash, tensors)
     tstats = []
-    if tensors:
+    world = get_module(module).world_size
+    if tensors and world > 1:
+        tp_divs, tstats = diff_tp(run_dir, engine.model if engine else None, up.steps, re_steps, re_tensors,
+                                  tol.atol, tol.rtol)
+        divs += tp_divs
+        if crash is None:
+            divs += _tp1_tokens(scenario, up, components, {k: v for k, v in up.outputs.items() if k not in forced}, dtype)
+    elif tensors:
         ran = {s: v for s, v in up.steps.items() if crash is None or s < crash.step}
         tstats, skipped = diff_tensors(run_dir, ran, re_steps, re_tensors, tol.atol, tol.rtol, captures or CAPTURES)
         tstats = diffs.pool_steps(tstats, tol)
@@ -169,6 +177,20 @@ def compare(module: str, scenario_path: Path | str, *, fresh: bool = False, upst
         result.explain = explain_divergence(result, up.steps, re_steps, re_state)
     result.duration_s = time.perf_counter() - t0
     return result
+
+
+def _tp1_tokens(scenario, up, components, tp_outputs: dict, dtype: str) -> list[Divergence]:
+    """TP changes where the sums are split, not what is computed: the single-device reimpl (reimpl/qwen3.py) on the
+    same requests must give the same tokens as the TP run (fp32)."""
+    engine, _, _ = run_reimpl(scenario, up, components, dtype=dtype)
+    divs = []
+    for rid, tokens in sorted(engine.outputs().items()):
+        if rid not in tp_outputs:
+            continue  # sampled: forced
+        if tokens != tp_outputs.get(rid):
+            divs.append(Divergence("tokens", None, f"tokens.tp1[{rid}]", tp_outputs.get(rid), tokens, rid,
+                                   f"{rid}: the TP=1 reimpl (reimpl/qwen3.py) generates other tokens than upstream at TP=2"))
+    return divs
 
 
 def _crash_divergence(e: Exception, step: int, phase: str | None, components: dict[str, object]) -> Divergence:

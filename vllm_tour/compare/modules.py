@@ -32,7 +32,9 @@ class CompareModule:
     captures: tuple[str, ...] = ()  # tensors judged, per layer: attn_out, kv_blocks
     triton: bool = False  # a Triton kernel: compiled on a GPU, the Triton interpreter without one
     needs_gpu: bool = False
-    world_size: int = 1
+    world_size: int = 1  # TP ranks: a module compares only scenarios run at this tensor_parallel_size
+    # "module:function" building a model of world_size ranks (model_dir, world_size, dtype, attention); None: reimpl.qwen3
+    model: str | None = None
     moe_only: bool = False  # judged on MoE models only (a dense scenario is skipped)
 
 
@@ -49,6 +51,11 @@ MODULES: dict[str, CompareModule] = {m.name: m for m in (
         "reimpl.triton_attn", "the mini engine with reimpl/triton_attn.py's Triton kernel as its attention",
         components={**REFERENCE, "paged_attention": "reimpl.triton_attn:engine_attention"},
         sections=("scheduler", "kv", "runner", "attention"), captures=("attn_out", "kv_blocks"), triton=True),
+    CompareModule(
+        "reimpl.tp", "tensor parallelism at TP=2 (ranks simulated in one process): weight shards, every all-reduce, "
+        "the logits gather",
+        components=dict(REFERENCE),
+        sections=("scheduler", "kv", "runner"), captures=("tp",), world_size=2, model="reimpl.tp:simulated"),
     CompareModule(
         "reimpl.ep", "expert parallelism: the Qwen3-MoE block's routing, and its experts placed on 2 simulated "
         "ranks, run locally and all-reduced (reimpl/ep.py)",

@@ -12,16 +12,29 @@ from typing import Callable
 
 from ..errors import TourError
 from .components import check_impl, load_impl
-from .modules import get_module
+from .modules import MODULES, get_module
 from .tokens import TOP_K
 from .upstream import DTYPES, UpstreamRecords
 
+
 def applicable(scenario, module: str | None = None) -> str | None:
-    """Why the reimpl (for `module`) cannot run this scenario, or None if it can."""
-    if scenario.engine.tensor_parallel_size != 1:
-        return f"tensor_parallel_size={scenario.engine.tensor_parallel_size} (the reimpl engine is single-device)"
-    if module and get_module(module).moe_only and not is_moe_model(scenario.model):
-        return f"model {scenario.model} is dense ({module} judges MoE routing and expert placement)"
+    """Why `module` (None: a single-device one) cannot run this scenario, or None if it can."""
+    world = get_module(module).world_size if module else 1
+    tp = scenario.engine.tensor_parallel_size
+    if tp != world:
+        if world == 1:
+            multi = ", ".join(name for name, m in MODULES.items() if m.world_size == tp) or "no module"
+            return f"tensor_parallel_size={tp} (this module's reimpl is single-device; {multi} compares TP={tp})"
+        return f"tensor_parallel_size={tp} ({module} compares TP={world} runs only)"
+    if world > 1 and DTYPES.get(scenario.engine.dtype) != "float32":
+        return f"dtype {scenario.engine.dtype} ({module} runs float32)"
+    moe_only = bool(module) and get_module(module).moe_only
+    if world > 1 or moe_only:  # single-device modules run both (reimpl/moe.py's Qwen3MoE for MoE checkpoints)
+        moe = is_moe_model(scenario.model)
+        if world > 1 and moe:
+            return f"model {scenario.model} is MoE ({module}'s model is the dense Qwen3)"
+        if moe_only and not moe:
+            return f"model {scenario.model} is dense ({module} judges MoE routing and expert placement)"
     if scenario.engine.dtype not in DTYPES:
         return f"dtype {scenario.engine.dtype} (the reimpl runs float32 or bfloat16)"
     return None
@@ -101,6 +114,16 @@ def _on_gpu(attention: Callable) -> Callable:
     return attend
 
 
+def model_factory(module: str) -> Callable | None:
+    """(model_dir, dtype, attention) -> the module's multi-rank model (modules.CompareModule.model), or None."""
+    m = get_module(module)
+    if not m.model:
+        return None
+    mod, name = m.model.split(":")
+    build = getattr(importlib.import_module(mod), name)
+    return lambda model_dir, dtype, attention: build(model_dir, m.world_size, dtype, attention)
+
+
 def _eos_token_id(model_dir: Path) -> int | None:
     for name in ("generation_config.json", "config.json"):
         try:
@@ -115,7 +138,7 @@ def _eos_token_id(model_dir: Path) -> int | None:
 
 
 def run_reimpl(scenario, up: UpstreamRecords, components: dict[str, object], engine_factory: Callable | None = None,
-               capture: tuple[str, ...] = (), on_step=None, dtype: str = "float32"):
+               capture: tuple[str, ...] = (), on_step=None, dtype: str = "float32", build_model: Callable | None = None):
     """Run the reimpl mini engine with upstream's effective settings; returns (engine, results, notes).
 
     capture: the tensor kinds to capture per layer (the module's captures, or none).
@@ -150,7 +173,8 @@ def run_reimpl(scenario, up: UpstreamRecords, components: dict[str, object], eng
         notes.append("upstream ran the AMX CPU attention kernel: the reimpl rounds its softmax weights to bf16 "
                      "before P·V as that kernel does (paged_attn.paged_attention bf16_weights)")
     for k, v in policies.items():  # where upstream's behaviour changed between pins, the reimpl follows the run's
-        notes.append(f"reimpl policy for pin {up.meta['pin']}: {k}={v}")
+        if v != EngineConfig.__dataclass_fields__[k].default:
+            notes.append(f"reimpl policy for pin {up.meta['pin']}: {k}={v}")
     eos = _eos_token_id(model_dir)
     by_id = {r.req_id: r for r in scenario.requests}
     requests = []
@@ -162,7 +186,9 @@ def run_reimpl(scenario, up: UpstreamRecords, components: dict[str, object], eng
             ignore_eos = bool(spec.ignore_eos) if spec else False
         requests.append(RequestIn(r["req_id"], list(r["prompt_token_ids"]), r["max_tokens"], r.get("temperature") or 0.0,
                                   r.get("seed"), r.get("arrival_step") or 0, None if ignore_eos else eos))
-    engine = engine_factory(cfg) if engine_factory else Engine(cfg, **components)
+    # a multi-rank model runs the engine's attention (a learner's, with --impl paged_attention=...)
+    model = build_model(str(model_dir), dtype, components["paged_attention"]) if build_model else None
+    engine = engine_factory(cfg) if engine_factory else Engine(cfg, model, **components)
     for r in requests:
         if r.temperature > 0:
             engine.forced[r.req_id] = list(up.outputs.get(r.req_id, []))
@@ -172,7 +198,9 @@ def run_reimpl(scenario, up: UpstreamRecords, components: dict[str, object], eng
             engine.forced[r.req_id] = list(up.outputs.get(r.req_id, []))
     if dtype != "float32":
         engine.record_topk = TOP_K
-    names = tuple(f"{c}.layers.{i}" for c in capture for i in range(engine.model.num_layers))
+    # per layer, except "tp": every collective of a TP model (reimpl/tp.py), whatever its layer
+    names = tuple(c if c == "tp" else f"{c}.layers.{i}" for c in capture for i in range(engine.model.num_layers))
+    names = tuple(dict.fromkeys(names))
     try:
         results = engine.run(requests, capture=names, on_step=on_step)
     except Exception as e:

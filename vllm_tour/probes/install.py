@@ -12,14 +12,14 @@ import os
 
 from ..errors import TourError
 from ..trace.writer import RECORDER
-from . import attention, capture, kv, moe, runner, scheduler
+from . import attention, capture, kv, moe, runner, scheduler, tp
 from .base import Probe, Resolved, install, resolve
 
 PIN_ENV = "VLLM_TOUR_PIN"
 BACKEND_ENV = "VLLM_TOUR_ATTN_BACKEND"  # set by run_upstream: the attention backend the engine runs
 
 # Order matters only for reading: scheduler side, then worker side.
-PROBES: list[Probe] = [*scheduler.PROBES, *kv.PROBES, *runner.PROBES, *attention.PROBES, *capture.PROBES,
+PROBES: list[Probe] = [*scheduler.PROBES, *kv.PROBES, *runner.PROBES, *attention.PROBES, *capture.PROBES, *tp.PROBES,
                       *moe.PROBES]
 
 

@@ -5,6 +5,10 @@ Process 1 "engine": a "steps" track with one span per step, and counters
 with spans for waiting, prefill chunks, decode and resumed (recompute)
 steps, and an instant marker at each preemption.
 
+A TP run adds one process per worker rank ("rank 0", "rank 1", pid 100 + rank) with a "collectives"
+track: the step's all-reduces and logits gather in call order (each a slice of the step; their own
+durations are not recorded), joined across ranks by flow arrows.
+
 Times come from the scheduler records (wall clock at the end of each
 schedule()); a step lasts until the next one starts. Traces without times
 (normalized golden traces) get 1 ms per step.
@@ -18,6 +22,7 @@ from pathlib import Path
 from .reader import Run
 
 ENGINE_PID, REQUESTS_PID = 1, 2
+RANK_PID = 100  # + TP rank
 STEPS_TID = 1
 
 
@@ -87,7 +92,31 @@ def to_chrome_trace(run: Run) -> dict:
         waiting_ids = [rid for rid, (a, z) in lives.items() if a <= s.index <= z and rid not in scheduled]
         for rid in waiting_ids:
             events.append({"ph": "X", "pid": REQUESTS_PID, "tid": tid.get(rid, 9), "name": "waiting", "ts": ts, "dur": dur, "args": {}})
+    events += _collective_events(run)
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"run": run.path.name, "pin": run.meta.pin, "model": run.meta.model}}
+
+
+def _collective_events(run: Run) -> list[dict]:
+    """Per rank a track of the step's collectives; a flow arrow from rank 0's slice to each other rank's."""
+    ranks = sorted({r for s in run.steps for r in s.collectives})
+    events = []
+    for r in ranks:
+        events += [_meta(RANK_PID + r, None, "process_name", f"rank {r}"), _meta(RANK_PID + r, 1, "thread_name", "collectives")]
+    flow = 0
+    for s, (ts, dur) in zip(run.steps, _step_times(run)):
+        if not s.collectives:
+            continue
+        n = len(s.collectives[ranks[0]])
+        for i, calls in enumerate(zip(*(s.collectives[r] for r in ranks))):
+            start, width = ts + i * dur / n, dur / n
+            flow += 1
+            for r, c in zip(ranks, calls):
+                events.append({"ph": "X", "pid": RANK_PID + r, "tid": 1, "name": f"{c.op} {c.layer}", "ts": start, "dur": width,
+                               "args": {"step": s.index, "in": c.sha256_in[:12], "out": (c.sha256_out or "")[:12],
+                                        "shape_in": c.shape_in, "shape_out": c.shape_out}})
+                events.append({"ph": "s" if r == ranks[0] else "f", "bp": "e", "id": flow, "cat": "collective",
+                               "name": c.op, "pid": RANK_PID + r, "tid": 1, "ts": start + width / 2})
+    return events
 
 
 def _lifetimes(run: Run) -> dict[str, tuple[int, int]]:

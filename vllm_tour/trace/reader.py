@@ -20,6 +20,7 @@ from .schema import (
     SCHEMA_VERSION,
     AttentionRecord,
     CaptureRecord,
+    CollectiveRecord,
     KVRecord,
     MoERecord,
     Outputs,
@@ -28,6 +29,7 @@ from .schema import (
     RunMeta,
     RunnerRecord,
     SchedulerRecord,
+    TPShardsRecord,
 )
 
 _RECORD = TypeAdapter(Record)
@@ -41,6 +43,7 @@ class Step:
     runner: dict[int, RunnerRecord] = field(default_factory=dict)  # by TP rank
     attention: dict[int, AttentionRecord] = field(default_factory=dict)  # by TP rank
     captures: list[CaptureRecord] = field(default_factory=list)
+    collectives: dict[int, list[CollectiveRecord]] = field(default_factory=dict)  # by TP rank, in call order
     errors: list[ProbeErrorRecord] = field(default_factory=list)
     moe: dict[int, list[MoERecord]] = field(default_factory=dict)  # by TP/EP rank, in layer order
 
@@ -53,6 +56,7 @@ class Run:
     steps: list[Step]
     errors: list[ProbeErrorRecord]
     warnings: list[str]
+    tp_shards: dict[int, TPShardsRecord] = field(default_factory=dict)  # by TP rank (TP > 1 runs)
 
     @property
     def finished(self) -> bool:
@@ -134,6 +138,7 @@ def load_run(path: str | Path) -> Run:
 
     steps: dict[int, Step] = {}
     errors: list[ProbeErrorRecord] = []
+    tp_shards: dict[int, TPShardsRecord] = {}
     for f in sorted(path.glob("records.*.jsonl")):
         for rec in read_records(f, warnings):
             s = steps.setdefault(rec.step, Step(rec.step))
@@ -147,6 +152,10 @@ def load_run(path: str | Path) -> Run:
                 s.attention[rec.proc.rank] = rec
             elif isinstance(rec, CaptureRecord):
                 s.captures.append(rec)
+            elif isinstance(rec, CollectiveRecord):
+                s.collectives.setdefault(rec.proc.rank, []).append(rec)
+            elif isinstance(rec, TPShardsRecord):
+                tp_shards[rec.proc.rank] = rec
             elif isinstance(rec, ProbeErrorRecord):
                 s.errors.append(rec)
                 errors.append(rec)
@@ -157,4 +166,4 @@ def load_run(path: str | Path) -> Run:
     ordered = [steps[k] for k in sorted(steps)]
     # Step 0 only holds probe errors raised before the first schedule(): keep them, but not as a step.
     ordered = [s for s in ordered if s.index > 0 or s.scheduler or s.runner]
-    return Run(path=path, meta=meta, outputs=outputs, steps=ordered, errors=errors, warnings=warnings)
+    return Run(path=path, meta=meta, outputs=outputs, steps=ordered, errors=errors, warnings=warnings, tp_shards=tp_shards)

@@ -187,12 +187,54 @@ def step_detail(run: Run, step: Step) -> Group:
     for rank, a in sorted(step.attention.items()):
         layers = "; ".join(f"{l.layer} {l.kv_cache_shape} {l.kv_cache_dtype}" for l in a.layers)
         parts.append(Text(f"attention (rank {rank}): {a.backend} layout {a.layout}; seq_lens {a.seq_lens}; query_lens {a.query_lens}; block_table {a.block_table}; kv cache {layers}"))
+    if step.collectives:
+        parts.append(collectives_table(step))
     parts += moe_detail(step)
-    if step.captures:
-        parts.append(Text("captures: " + ", ".join(f"{c.name} {c.shape} → {c.file}" for c in step.captures)))
+    caps = [c for c in step.captures if not c.name.startswith("tp.")]
+    if caps:
+        parts.append(Text("captures: " + ", ".join(f"{c.name} {c.shape} → {c.file}" for c in caps)))
+    tp_files = sorted({c.file for c in step.captures if c.name.startswith("tp.")})
+    if tp_files:
+        parts.append(Text(f"collective tensors (tp.<op>_in/_out.<layer>) → {', '.join(tp_files)}"))
     for e in step.errors:
         parts.append(Text(f"probe error in {e.probe} ({e.target}): {e.error}", style="bold red"))
     return Group(*parts)
+
+
+def collectives_table(step: Step) -> Table:
+    """The step's TP collectives, ranks side by side: what each rank sent in and got back (sha256 prefixes)."""
+    ranks = sorted(step.collectives)
+    t = Table(title=f"step {step.index}: tensor-parallel collectives, per rank", title_justify="left",
+              caption="in: this rank's partial sum / shard · out: the result · ranks must agree on out", caption_justify="left")
+    for c in ("op", "layer", "shape in → out"):
+        t.add_column(c)
+    for r in ranks:
+        t.add_column(f"rank {r} in / out")
+    t.add_column("ranks agree")
+    for calls in zip(*(step.collectives[r] for r in ranks)):
+        c0 = calls[0]
+        outs = {c.sha256_out for c in calls if c.sha256_out is not None}
+        t.add_row(c0.op, c0.layer, f"{c0.shape_in} → {c0.shape_out}",
+                  *(f"{c.sha256_in[:8]} / {(c.sha256_out or '-')[:8]}" for c in calls),
+                  Text("yes", style="green") if len(outs) <= 1 else Text("NO", style="bold red"))
+    return t
+
+
+def tp_summary(run: Run) -> Text:
+    """One line per rank: the weight shards it holds and the all-reduce path; whether ranks ever disagreed."""
+    t = Text()
+    for rank, rec in sorted(run.tp_shards.items()):
+        sharded = sum(1 for s in rec.shards if any(s.name == o.name and s.sha256 != o.sha256
+                                                   for r, other in run.tp_shards.items() if r != rank for o in other.shards))
+        t.append(f"rank {rank}: {len(rec.shards)} weight tensors ({sharded} sharded, the rest replicated) · "
+                 f"all-reduce via {rec.communicator}\n")
+    bad = [s.index for s in run.steps
+           if any(len({c.sha256_out for c in calls if c.sha256_out}) > 1 for calls in zip(*s.collectives.values()))]
+    steps = sum(1 for s in run.steps if s.collectives)
+    t.append(f"collectives recorded in {steps} steps; ranks disagree after one in steps {bad}\n" if bad else
+             f"collectives recorded in {steps} steps; every rank left each with the same tensor (--step N: per rank)\n",
+             style="bold red" if bad else "dim")
+    return t
 
 
 def request_view(run: Run, rid: str) -> Group:
@@ -249,6 +291,8 @@ def show(run: Run, console: Console, step: int | None = None, request: str | Non
         console.print(request_view(run, request))
     else:
         console.print(step_table(run))
+        if run.tp_shards:
+            console.print(tp_summary(run))
         if run.steps:
             busiest = max(run.steps, key=lambda s: (s.kv.num_blocks - s.kv.free_blocks) if s.kv else -1)
             if busiest.kv:

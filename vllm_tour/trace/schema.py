@@ -207,6 +207,40 @@ class CaptureRecord(_Record):
     isa: str | None = None  # kv_blocks.* on CPU: the attention ISA whose layout was decoded at capture
 
 
+# --- tensor parallelism (written by each worker rank when TP > 1) -------------------------
+
+
+class WeightShard(BaseModel):
+    name: str  # upstream parameter name, e.g. model.layers.0.self_attn.qkv_proj.weight (fused)
+    shape: list[int]
+    dtype: str
+    sha256: str  # of the shard's bytes as loaded on this rank, before any CPU weight repacking
+
+
+class TPShardsRecord(_Record):
+    """Once per rank, after the weights are loaded (step 0): what this rank holds."""
+
+    kind: Literal["tp_shards"] = "tp_shards"
+    world_size: int
+    communicator: str  # the TP all-reduce path that runs: "cpu-shm", "gloo", "nccl", ...
+    shards: list[WeightShard]
+    file: str | None = None  # the shards as safetensors (captures/weights.rank<r>.safetensors) when capturing "tp"
+
+
+class CollectiveRecord(_Record):
+    """One TP collective of one rank: the tensor going in and the one coming out, as sha256
+    (the tensors themselves in the step's capture file as tp.<op>_in/_out.<layer> when capturing "tp")."""
+
+    kind: Literal["collective"] = "collective"
+    op: Literal["all_reduce", "gather", "all_gather"]
+    layer: str  # the upstream module whose output it combines (model.layers.0.self_attn.o_proj, logits)
+    shape_in: list[int]
+    shape_out: list[int] | None  # None: gather's result lives on rank 0 only
+    dtype: str
+    sha256_in: str
+    sha256_out: str | None
+
+
 class ProbeErrorRecord(_Record):
     kind: Literal["probe_error"] = "probe_error"
     probe: str
@@ -222,6 +256,8 @@ Record = Annotated[
         RunnerRecord,
         AttentionRecord,
         CaptureRecord,
+        TPShardsRecord,
+        CollectiveRecord,
         ProbeErrorRecord,
         MoERecord,
     ],

@@ -1,0 +1,194 @@
+"""Tensor parallelism: the rank-aware probes on upstream's TP=2 run, compare reimpl.tp against it, and
+reimpl/tp.py's sharding rules broken on purpose (each must exit 1 naming rank, layer, tensor and step).
+
+One upstream TP=2 run (tp_single: tiny-qwen3-tp, one KV head replicated per rank, vocab 500 padded to 512)
+serves every test here through the compare cache."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from reimpl import qwen3, tp
+from vllm_tour.compare import harness
+from vllm_tour.compare.pytest_plugin import assert_matches_upstream
+from vllm_tour.scenario import load_scenario
+from vllm_tour.trace.reader import load_run
+
+SCENARIO = "tp_single"
+LAYERS = ["model.embed_tokens"] + [f"model.layers.{i}.{m}" for i in range(2) for m in ("self_attn.o_proj", "mlp.down_proj")]
+
+
+def test_probes_record_each_rank(upstream_run):
+    run = load_run(upstream_run(SCENARIO).run_dir)
+    assert sorted(run.tp_shards) == [0, 1]
+    for rank, rec in run.tp_shards.items():
+        assert rec.world_size == 2 and rec.communicator == "cpu-shm"
+        shapes = {s.name: s.shape for s in rec.shards}
+        # one KV head of 64 replicated: q 2 heads (128) + k 64 + v 64; vocab 500 padded to 512, 256 rows a rank
+        assert shapes["model.layers.0.self_attn.qkv_proj.weight"] == [256, 256]
+        assert shapes["model.embed_tokens.weight"] == shapes["lm_head.weight"] == [256, 256]
+        assert shapes["model.layers.0.mlp.gate_up_proj.weight"] == [512, 256]
+        assert shapes["model.layers.0.self_attn.o_proj.weight"] == [256, 128]
+    # ranks hold different halves of the sharded weights, the same norms
+    h0, h1 = ({s.name: s.sha256 for s in run.tp_shards[r].shards} for r in (0, 1))
+    assert h0["model.layers.0.mlp.down_proj.weight"] != h1["model.layers.0.mlp.down_proj.weight"]
+    assert h0["model.norm.weight"] == h1["model.norm.weight"]
+    for step in run.steps:
+        for rank in (0, 1):
+            recs = step.collectives[rank]
+            assert [(c.op, c.layer) for c in recs] == [("all_reduce", layer) for layer in LAYERS] + [("all_gather", "logits")]
+        # every rank leaves each collective with the same tensor; the partial sums going in differ
+        assert [c.sha256_out for c in step.collectives[0]] == [c.sha256_out for c in step.collectives[1]]
+        assert step.collectives[0][1].sha256_in != step.collectives[1][1].sha256_in
+        names = {(c.proc.rank, c.name) for c in step.captures}
+        assert {(r, f"tp.all_reduce_in.{layer}") for r in (0, 1) for layer in LAYERS} <= names
+
+
+def test_compare_tp_clean(compare_upstream):
+    r = compare_upstream("reimpl.tp", SCENARIO)
+    assert_matches_upstream(r)
+    judged = {t.name for t in r.tensors if t.step is not None}
+    for rank in (0, 1):
+        for layer in LAYERS:
+            assert {f"rank{rank}/tp.all_reduce_in.{layer}", f"rank{rank}/tp.all_reduce_out.{layer}"} <= judged
+        assert f"rank{rank}/tp.all_gather_out.logits" in judged
+
+
+def _first(r):
+    assert r.exit_code == 1
+    return r.first
+
+
+def test_gate_up_as_one_contiguous_slice(compare_upstream, monkeypatch):
+    monkeypatch.setattr(tp, "merged_column_shard", lambda ws, rank, world: tp.column_shard(torch.cat(ws), rank, world))
+    f = _first(compare_upstream("reimpl.tp", SCENARIO))
+    assert f.step == 0 and f.field == "tp.shards[rank0].model.layers.0.mlp.gate_up_proj.weight.sha256"
+    assert "rank 0, layer model.layers.0.mlp.gate_up_proj, tensor weight (weight shard), step 0" in f.message
+
+
+def test_kv_heads_split_instead_of_replicated(compare_upstream, monkeypatch):
+    def split(q, k, v, num_kv_heads, head_dim, rank, world):
+        return torch.cat([tp.column_shard(w, rank, world) for w in (q, k, v)])
+
+    monkeypatch.setattr(tp, "qkv_shard", split)
+    f = _first(compare_upstream("reimpl.tp", SCENARIO))
+    assert f.step == 0 and f.field == "tp.shards[rank0].model.layers.0.self_attn.qkv_proj.weight.shape"
+    assert (f.upstream, f.reimpl) == ([256, 256], [192, 256])
+    assert "rank 0, layer model.layers.0.self_attn.qkv_proj, tensor weight" in f.message
+
+
+def test_vocab_padding_ignored(compare_upstream, monkeypatch):
+    monkeypatch.setattr(tp, "pad_vocab", lambda vocab_size: vocab_size)
+    f = _first(compare_upstream("reimpl.tp", SCENARIO))
+    assert f.step == 0 and f.field == "tp.shards[rank0].model.embed_tokens.weight.shape"
+    assert (f.upstream, f.reimpl) == ([256, 256], [250, 256])
+
+
+def test_partial_sum_off_on_one_rank(compare_upstream, monkeypatch):
+    """A wrong partial sum on rank 1 only (its down_proj output scaled): named by rank, layer, tensor, step."""
+    row_parallel = tp.row_parallel
+
+    def off(x, w, bias, rank):
+        y = row_parallel(x, w, bias, rank)
+        return y * 1.001 if rank == 1 and w.shape[1] == 256 else y  # down_proj's shard is [256, 256]
+
+    monkeypatch.setattr(tp, "row_parallel", off)
+    r = compare_upstream("reimpl.tp", SCENARIO)
+    bad = [d for d in r.divergences if d.kind == "tensor" and d.field.startswith("rank1/")]
+    assert r.exit_code == 1 and bad[0].field == "rank1/tp.all_reduce_in.model.layers.0.mlp.down_proj"
+    assert bad[0].message.startswith("rank 1, layer model.layers.0.mlp.down_proj, tensor all_reduce_in (partial sum")
+    assert bad[0].step == 1
+
+
+def test_bias_on_rank_zero_only():
+    """Qwen3 has no row-parallel bias, so upstream cannot show this one: the rule against the unsharded layer."""
+    g = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(3, 8, generator=g), torch.randn(4, 8, generator=g), torch.randn(4, generator=g)
+    group = tp.SimulatedGroup(2)
+
+    def sharded(rule):
+        parts = [rule(tp.row_shard(x, r, 2), tp.row_shard(w, r, 2), b, r) for r in (0, 1)]
+        return group.all_reduce(parts, "o_proj")[0]
+
+    torch.testing.assert_close(sharded(tp.row_parallel), x @ w.T + b)
+    both = sharded(lambda x, w, b, r: x @ w.T + b)
+    torch.testing.assert_close(both - (x @ w.T + b), b.expand(3, 4))  # the bias counted twice
+
+
+def test_tp1_tokens_are_checked(compare_upstream, monkeypatch):
+    """The single-device reimpl must give upstream's TP=2 tokens: broken, it is named as tokens.tp1."""
+    logits = qwen3.Qwen3.logits
+    monkeypatch.setattr(qwen3.Qwen3, "logits", lambda self, h: -logits(self, h))
+    r = compare_upstream("reimpl.tp", SCENARIO)
+    assert r.exit_code == 1
+    assert {d.field for d in r.divergences} == {"tokens.tp1[a]", "tokens.tp1[b]"}
+
+
+def test_modules_take_only_their_world_size():
+    tp_scenario, single = (load_scenario(harness.SCENARIOS_DIR / f"{n}.toml") for n in (SCENARIO, "cmp_single"))
+    assert harness.applicable(tp_scenario, "reimpl.tp") is None
+    assert "reimpl.tp compares TP=2" in harness.applicable(tp_scenario, "reimpl.paged_attn")
+    assert "reimpl.tp compares TP=2 runs only" in harness.applicable(single, "reimpl.tp")
+
+
+def test_gloo_ranks_equal_the_simulation(tmp_path):
+    """The same rank code in 2 processes over torch.distributed (gloo) computes what the simulation does."""
+    from vllm_tour.models import make_tiny_model
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _tp_batch import run_batch
+
+    model_dir = make_tiny_model("tiny-qwen3-tp")
+    worker = Path(__file__).with_name("_tp_dist_worker.py")
+    procs = [subprocess.Popen([sys.executable, str(worker), str(r), "2", str(tmp_path / "init"), str(model_dir), str(tmp_path)],
+                              stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    for p in procs:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err[-2000:]
+    sim = tp.TPQwen3(model_dir, tp.SimulatedGroup(2))
+    run_batch(sim)
+    from safetensors.torch import load_file
+
+    for rank in (0, 1):
+        got = load_file(str(tmp_path / f"rank{rank}.safetensors"))
+        want = {k: v for k, v in sim.group.recorded.items() if k.startswith(f"rank{rank}/")}
+        assert sorted(got) == sorted(want) and len(got) == 2 * (len(LAYERS) + 1)
+        for k in want:
+            assert torch.equal(got[k], want[k]), k
+
+
+def test_show_and_perfetto_put_ranks_side_by_side(upstream_run):
+    from rich.console import Console
+
+    from vllm_tour.trace.perfetto import RANK_PID, to_chrome_trace
+    from vllm_tour.trace.render import collectives_table, tp_summary
+
+    run = load_run(upstream_run(SCENARIO).run_dir)
+    console = Console(width=200, record=True)
+    console.print(collectives_table(run.steps[0]), tp_summary(run))
+    text = console.export_text()
+    assert "rank 0 in / out" in text and "rank 1 in / out" in text and "NO" not in text
+    assert "rank 1: 19 weight tensors (10 sharded, the rest replicated) · all-reduce via cpu-shm" in text
+    events = to_chrome_trace(run)["traceEvents"]
+    calls = sum(len(s.collectives[0]) for s in run.steps)
+    for rank in (0, 1):
+        assert sum(1 for e in events if e["pid"] == RANK_PID + rank and e["ph"] == "X") == calls
+    starts = {e["id"] for e in events if e["ph"] == "s" and e["pid"] == RANK_PID}
+    assert starts == {e["id"] for e in events if e["ph"] == "f" and e["pid"] == RANK_PID + 1} and len(starts) == calls
+
+
+def test_learners_attention_runs_on_every_rank(compare_upstream):
+    """--impl paged_attention=... reaches the TP model: an attention that forgets the context shows on both ranks."""
+    def last_token_only(q, k_new, v_new, cache, meta, bf16_weights=False):
+        cache.write(k_new, v_new, meta.slot_mapping)
+        group = q.shape[1] // v_new.shape[1]
+        return v_new.repeat_interleave(group, dim=1).reshape(q.shape[0], -1)
+
+    r = compare_upstream("reimpl.tp", SCENARIO, impl={"paged_attention": last_token_only})
+    firsts = {d.field for d in r.divergences if d.kind == "tensor"}
+    assert r.exit_code == 1
+    assert firsts == {f"rank{k}/tp.all_reduce_in.model.layers.0.self_attn.o_proj" for k in (0, 1)}

@@ -1,0 +1,130 @@
+"""Tensor-parallel diffs, per rank: weight shards (bitwise), every collective's input and output (tolerance),
+and upstream's own invariant that every rank leaves an all-reduce with the same tensor.
+
+Upstream's side comes from probes/tp.py (TPShardsRecord, CollectiveRecord, captures tp.<op>_<in|out>.<layer>
+per rank); the reimpl's from reimpl/tp.py (model.shards per rank, group.recorded "rank<r>/tp....").
+Every divergence names the rank, the layer, the tensor and the step (0: at load).
+"""
+
+from __future__ import annotations
+
+from ..probes.tp import digest
+from ..trace.reader import load_run
+from . import diffs
+from .diffs import Divergence, TensorStat
+from .upstream import load_capture
+
+
+def _split(param: str) -> tuple[str, str]:
+    """model.layers.0.mlp.gate_up_proj.weight -> (model.layers.0.mlp.gate_up_proj, weight)."""
+    layer, _, tensor = param.rpartition(".")
+    return layer, tensor
+
+
+def diff_shards(run, shards: dict[int, dict]) -> list[Divergence]:
+    """Each rank's weight shards against the reimpl's: names, shapes and sha256 (bitwise)."""
+    divs = []
+    for rank, rec in sorted(run.tp_shards.items()):
+        mine = shards.get(rank, {})
+        for s in rec.shards:
+            layer, tensor = _split(s.name)
+            t = mine.get(s.name)
+            where = f"rank {rank}, layer {layer}, tensor {tensor} (weight shard), step 0 (load)"
+            if t is None:
+                divs.append(Divergence("tensor", 0, f"tp.shards[rank{rank}].{s.name}", s.shape, None,
+                                       message=f"{where}: the reimpl holds no such shard"))
+            elif list(t.shape) != s.shape:
+                divs.append(Divergence("tensor", 0, f"tp.shards[rank{rank}].{s.name}.shape", s.shape, list(t.shape),
+                                       message=f"{where}: shape {s.shape} upstream vs {list(t.shape)} reimpl"))
+            elif digest(t) != s.sha256:
+                divs.append(Divergence("tensor", 0, f"tp.shards[rank{rank}].{s.name}.sha256", s.sha256[:16],
+                                       digest(t)[:16], message=f"{where}: same shape {s.shape}, different bytes"))
+    return divs
+
+
+def rank_disagreements(run) -> list[Divergence]:
+    """Upstream's invariant: after an all-reduce (or all-gather) every rank holds the same tensor."""
+    divs = []
+    for step in run.steps:
+        by_rank = step.collectives
+        if len(by_rank) < 2:
+            continue
+        first = min(by_rank)
+        for rank, recs in sorted(by_rank.items()):
+            for mine, ref in zip(recs, by_rank[first]):
+                if mine.op != "gather" and mine.sha256_out != ref.sha256_out:
+                    divs.append(Divergence(
+                        "upstream", step.index, f"tp.{mine.op}_out.{mine.layer}[rank{rank}]", ref.sha256_out, mine.sha256_out,
+                        message=f"upstream rank {rank}, layer {mine.layer}, tensor {mine.op}_out, step {step.index}: "
+                                f"differs from rank {first}'s result of the same collective"))
+    return divs
+
+
+def _rows(name: str, up_runner: dict | None, re_runner: dict | None):
+    """Row indices laying the reimpl's tensor out in upstream's batch order (tokens, or one row per request
+    for the logits), or None when the orders agree or cannot be matched (then a decision divergence says why)."""
+    if not up_runner or not re_runner or up_runner["req_ids"] == re_runner["req_ids"]:
+        return None
+    order = {rid: i for i, rid in enumerate(re_runner["req_ids"])}
+    try:
+        if name.endswith(".logits"):
+            return [order[rid] for rid in up_runner["req_ids"]]
+        qsl = re_runner["query_start_loc"]
+        return [j for rid in up_runner["req_ids"] for j in range(qsl[order[rid]], qsl[order[rid] + 1])]
+    except KeyError:
+        return None
+
+
+def diff_collectives(run, up_steps: dict, re_steps: dict, re_tensors: dict, atol: float, rtol: float
+                     ) -> tuple[list[TensorStat], list[Divergence]]:
+    """Per step and rank, each captured collective tensor against the reimpl's; the first out of tolerance
+    per rank as a divergence too."""
+    import torch
+
+    stats: list[TensorStat] = []
+    first_bad: dict[int, Divergence] = {}
+    for step in run.steps:
+        mine_all = re_tensors.get(step.index)
+        if mine_all is None:
+            continue
+        for rec in step.captures:
+            if not rec.name.startswith("tp."):
+                continue
+            rank = rec.proc.rank
+            # the reimpl all-gathers the logits; upstream gathers them to rank 0 where use_all_gather is false (CUDA)
+            key = f"rank{rank}/{rec.name.replace('tp.gather_', 'tp.all_gather_')}"
+            mine = mine_all.get(key)
+            if mine is None:
+                stats.append(TensorStat(key, step.index, rec.shape, float("inf"), float("inf"), atol, rtol, False,
+                                        f"missing: the reimpl did not produce {rec.name} on rank {rank}"))
+            else:
+                idx = _rows(rec.name, up_steps.get(step.index, {}).get("runner"), re_steps.get(step.index, {}).get("runner"))
+                if idx is not None and len(idx) == mine.shape[0]:
+                    mine = mine[torch.tensor(idx, dtype=torch.long)]
+                up_t = load_capture(run.path, rec.model_dump())
+                # The logits are 256-term dot products with an LM head of gain 8: the summation order alone
+                # (upstream's packed GEMM vs torch's) moves them by ~1e-5 of their scale, so the absolute
+                # floor is scaled by the tensor's RMS where that exceeds 1 (unchanged for the all-reduces).
+                scale = max(1.0, float(up_t.double().pow(2).mean().sqrt())) if up_t.numel() else 1.0
+                stats.append(diffs.compare_tensor(key, step.index, up_t, mine, atol * scale, rtol,
+                                                  note=f"atol scaled by the RMS {scale:.3g}" if scale > 1 else ""))
+            st = stats[-1]
+            if not st.ok and rank not in first_bad:
+                op_side, _, layer = rec.name[len("tp."):].partition(".")
+                what = {"all_reduce_in": "partial sum into the all-reduce", "all_reduce_out": "all-reduce result",
+                        "all_gather_in": "logits shard", "all_gather_out": "gathered logits",
+                        "gather_in": "logits shard", "gather_out": "gathered logits"}.get(op_side, op_side)
+                first_bad[rank] = Divergence(
+                    "tensor", step.index, key, None, None,
+                    message=f"rank {rank}, layer {layer}, tensor {op_side} ({what}), step {step.index}: "
+                            f"max |Δ| {st.max_abs:.3g} > atol {atol:g} + rtol {rtol:g}·|upstream| ({st.note or 'values differ'})")
+    return stats, [first_bad[r] for r in sorted(first_bad)]
+
+
+def diff_tp(run_dir, model, up_steps: dict, re_steps: dict, re_tensors: dict, atol: float, rtol: float
+            ) -> tuple[list[Divergence], list[TensorStat]]:
+    run = load_run(run_dir)
+    divs = diff_shards(run, getattr(model, "shards", {}) if model is not None else {})
+    divs += rank_disagreements(run)
+    stats, bad = diff_collectives(run, up_steps, re_steps, re_tensors, atol, rtol)
+    return divs + bad, stats
