@@ -45,7 +45,7 @@ def test_scenarios_route_to_every_expert(upstream_run):
         assert used == {0, 1, 2, 3}, name
 
 
-@pytest.mark.parametrize("module", [m for m, spec in MODULES.items() if not spec.triton and not spec.moe_only])
+@pytest.mark.parametrize("module", [m for m, spec in MODULES.items() if not spec.triton and not spec.moe_only and spec.world_size == 1])
 def test_other_modules_accept_the_moe_model(compare_upstream, module):
     assert_matches_upstream(compare_upstream(module, "cmp_moe_batch"))
 
@@ -116,3 +116,15 @@ def test_show_has_the_expert_view(upstream_run):
     res = CliRunner().invoke(app, ["show", str(up.run_dir), "--step", "2"], env={"COLUMNS": "300"})
     m = up.steps[2]["moe"][1]
     assert f"MoE layer 1 (rank 0): {m['kernel']}, 4/4 experts local, expert map None; tokens per expert {m['tokens_per_expert']}" in res.output
+
+
+def test_which_modules_take_which_moe_scenarios():
+    from vllm_tour.compare.reimpl_side import applicable
+    from vllm_tour.paths import SCENARIOS_DIR
+    from vllm_tour.scenario import load_scenario
+
+    moe_tp2 = load_scenario(SCENARIOS_DIR / "moe_tp2.toml")
+    assert "is MoE" in applicable(moe_tp2, "reimpl.tp")  # its TP=2 model is the dense Qwen3
+    assert "single-device" in applicable(moe_tp2, "reimpl.ep")
+    single = load_scenario(SCENARIOS_DIR / "cmp_moe_single.toml")
+    assert applicable(single, "reimpl.ep") is None and applicable(single, "reimpl.paged_attn") is None
