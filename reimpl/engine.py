@@ -7,6 +7,10 @@ Upstream counterparts (v0.32.0):
   logits indices), as used by `vllm.v1.worker.cpu_model_runner.CPUModelRunner`;
   the batch's row order is upstream's persistent batch order (input_batch.py)
 
+A Qwen3-MoE checkpoint runs as moe.Qwen3MoE, its MoE blocks through the `moe` component
+(moe.moe_block; ep.expert_parallel_moe splits the experts over simulated ranks); each step then
+also writes one MoERecord per layer and rank.
+
 Every step emits trace records shaped like vllm-tour's trace schema
 (`vllm_tour.trace.schema`: SchedulerRecord, KVRecord, RunnerRecord) as plain
 dicts with proc.role = "reimpl", so `vllm-tour compare` diffs like with like.
@@ -14,6 +18,7 @@ dicts with proc.role = "reimpl", so `vllm-tour compare` diffs like with like.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from dataclasses import dataclass, field
@@ -28,6 +33,7 @@ from .config import EngineConfig, RequestIn, admit_arrivals
 from .input_batch import InputBatch
 from .kv_cache_manager import KVCacheManager
 from . import paged_attn
+from .moe import Qwen3MoE, is_moe, moe_block
 from .paged_attn import BatchMeta
 from .qwen3 import Qwen3
 from .request import Request
@@ -48,10 +54,12 @@ class Engine:
 
     def __init__(self, cfg: EngineConfig, model: Qwen3 | None = None, *, block_pool: type = BlockPool,
                  kv_cache_manager: type = KVCacheManager, scheduler: type = Scheduler,
-                 paged_attention: Callable = paged_attn.paged_attention):
+                 paged_attention: Callable = paged_attn.paged_attention, moe: Callable = moe_block):
         self.cfg = cfg
         if cfg.bf16_attention_weights:
             paged_attention = partial(paged_attention, bf16_weights=True)
+        if model is None and is_moe(json.loads(open(os.path.join(cfg.model_dir, "config.json")).read())):
+            model = Qwen3MoE(cfg.model_dir, attention=paged_attention, dtype=cfg.dtype, moe=moe)
         self.model = model or Qwen3(cfg.model_dir, attention=paged_attention, dtype=cfg.dtype)
         self.kv = kv_cache_manager(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching, cfg.max_model_len,
                                    cfg.free_policy, block_pool_cls=block_pool)
@@ -125,6 +133,7 @@ class Engine:
         if out.scheduled:
             runner, sampled, res.tensors = self._execute(out, rows, capture)
             records.append(runner)
+            records += self._moe_records(out.step)
         self.where = (n, "update_from_output")
         self.scheduler.update_from_output(out, sampled)
         self.steps_done = n
@@ -207,6 +216,9 @@ class Engine:
                 written = sorted({slot // self.cfg.block_size for slot in meta.slot_mapping})
                 tensors[name] = self.caches[int(name.rsplit(".", 1)[1])].blocks(written)
                 tensors[name + "#block_ids"] = torch.tensor(written)
+            elif name.startswith(("router_logits.layers.", "moe_out.layers.")):
+                moe = self.model.last_moe[int(name.rsplit(".", 1)[1])]
+                tensors[name] = (moe.routing.logits if name.startswith("router_logits") else moe.out).clone()
             elif name == "logits":
                 tensors[name] = logits.clone()
             elif name == "tp":  # a tensor-parallel model's collectives, per rank (reimpl/tp.py)
@@ -266,6 +278,24 @@ class Engine:
                             for rid, (n, ids) in out.prefix_hits.items()],
             "prefix_caching": self.kv.enable_caching,
         }
+
+    def _moe_records(self, step: int) -> list[dict]:
+        """One schema.MoERecord per MoE layer and (simulated) rank, as upstream's probe writes them."""
+        records = []
+        for layer, moe in sorted(getattr(self.model, "last_moe", {}).items()):
+            ids = moe.routing.ids.tolist()
+            num_experts = moe.routing.logits.shape[1]
+            per_expert = [sum(row.count(e) for row in ids) for e in range(num_experts)]
+            for rank, part in enumerate(moe.ranks):
+                records.append({
+                    "kind": "moe", "step": step, "proc": {**self.proc, "rank": rank}, "layer": layer,
+                    "num_tokens": len(ids), "num_experts": num_experts,
+                    "num_local_experts": len(part.local_tokens_per_expert), "expert_map": part.expert_map,
+                    "topk_ids": ids, "topk_weights": moe.routing.weights.tolist(),
+                    "tokens_per_expert": per_expert, "local_tokens_per_expert": part.local_tokens_per_expert,
+                    "kernel": getattr(self.model.moe, "__name__", type(self.model.moe).__name__),
+                })
+        return records
 
     def outputs(self) -> dict[str, list[int]]:
         return {rid: list(r.output_token_ids) for rid, r in self.scheduler.requests.items()}

@@ -76,13 +76,18 @@ class Qwen3:
             attn = self.attention(q, k, v, caches[i], meta)
             self.last_attn_out[i] = attn
             x, h = add_rms_norm(x, attn @ w[p + "self_attn.o_proj.weight"].T, w[p + "post_attention_layernorm.weight"], self.eps)
-            gate = h @ w[p + "mlp.gate_proj.weight"].T
-            up = h @ w[p + "mlp.up_proj.weight"].T
-            mlp = silu_and_mul(gate, up) @ w[p + "mlp.down_proj.weight"].T
+            mlp = self.mlp(i, h)
             # the next layer's input norm, or after the last layer the final norm
             norm = f"model.layers.{i + 1}.input_layernorm.weight" if i + 1 < self.num_layers else "model.norm.weight"
             x, h = add_rms_norm(x, mlp, w[norm], self.eps)
         return h
+
+    def mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        """Layer i's SiLU-gated MLP (moe.py's Qwen3MoE puts a sparse MoE block here)."""
+        p = f"model.layers.{i}.mlp."
+        gate = h @ self.w[p + "gate_proj.weight"].T
+        up = h @ self.w[p + "up_proj.weight"].T
+        return silu_and_mul(gate, up) @ self.w[p + "down_proj.weight"].T
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden @ self.lm_head.T

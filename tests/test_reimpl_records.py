@@ -31,3 +31,14 @@ def test_reimpl_records_validate_against_the_trace_schema(upstream_run, name):
             assert _unknown_keys(rec, validated) == [], (res.out.step, rec["kind"])
             kinds.add(rec["kind"])
     assert kinds == {"scheduler", "kv", "runner"}
+
+
+def test_reimpl_moe_records_validate_against_the_trace_schema(upstream_run):
+    """reimpl.ep's MoE records (one per layer and simulated rank) are schema.MoERecords, like the probe's."""
+    run = upstream_run("cmp_moe_single")
+    _, results, _ = run_reimpl(run.scenario, load_upstream(run.run_dir), engine_components("reimpl.ep"))
+    moe = [r for res in results for r in res.records if r["kind"] == "moe"]
+    for rec in moe:
+        validated = RECORD.validate_python(rec).model_dump(mode="json")
+        assert _unknown_keys(rec, validated) == [], rec["step"]
+    assert {(r["layer"], r["proc"]["rank"]) for r in moe if r["step"] == 1} == {(0, 0), (0, 1), (1, 0), (1, 1)}

@@ -8,6 +8,7 @@ import pytest
 
 from vllm_tour.errors import TourError
 from vllm_tour.paths import SCENARIOS_DIR
+from vllm_tour.repro import check_expectations
 from vllm_tour.scenario import load_scenario
 from vllm_tour.trace.reader import load_run
 
@@ -18,7 +19,7 @@ def test_ep_at_tp2_kills_the_engine_reproduced_and_the_trace_is_kept(tmp_path, c
     p = cli("repro", SCENARIOS_DIR / "repro_ep_tp2_cpu.toml", "--out", tmp_path / "run", columns=250)
     assert p.returncode == 0, p.stdout + p.stderr[-3000:]
     out = p.stdout
-    assert "REPRODUCED — 1/1" in out and "NOT REPRODUCED" not in out
+    assert "REPRODUCED — 4/4" in out and "NOT REPRODUCED" not in out
     assert 'engine_fails_with = "RuntimeError: cancelled"' in out
     assert "engine error: RuntimeError: cancelled" in out
     assert "died unexpectedly" in out  # the executor's own log line, as evidence
@@ -27,6 +28,36 @@ def test_ep_at_tp2_kills_the_engine_reproduced_and_the_trace_is_kept(tmp_path, c
     assert run.meta.status == "failed" and "cancelled" in run.meta.error
     assert run.meta.engine_args["enable_expert_parallel"] is True and run.meta.engine_args["tensor_parallel_size"] == 2
     assert [s.index for s in run.steps] == [1] and run.steps[0].scheduler.scheduled[0].req_id == "r0"
+
+    # The root cause, from the MoE probe's records (written before the experts kernel runs): each rank's
+    # kernel holds 2 local experts and an expert map, yet is handed global top-k ids (2, 3).
+    assert "expert_maps.0 = [0, 1, -1, -1]" in p.stdout and "expert_maps.1 = [-1, -1, 0, 1]" in p.stdout
+    assert "moe_kernel_ids_out_of_range = true" in p.stdout
+    assert "holds 2 local experts" in p.stdout and "index past its weight tables" in p.stdout
+    moe = run.steps[0].moe
+    assert sorted(moe) == [0, 1]
+    for rank, records in moe.items():
+        assert [r.layer for r in records] == [0]  # died in the first MoE layer's kernel: no layer 1 record
+        r = records[0]
+        assert r.num_local_experts == 2 and r.num_experts == 4 and r.kernel.startswith("CPUUnquantizedExperts")
+        assert max(e for row in r.topk_ids for e in row) >= r.num_local_experts
+        local = sorted((slot, g) for g, slot in enumerate(r.expert_map) if slot >= 0)
+        assert r.local_tokens_per_expert == [sum(row.count(g) for row in r.topk_ids) for _, g in local]
+    # `show --step 1` prints each rank's record: its map and the global ids its kernel got
+    from typer.testing import CliRunner
+
+    from vllm_tour.cli import app
+
+    shown = CliRunner().invoke(app, ["show", str(tmp_path / "run"), "--step", "1"], env={"COLUMNS": "300"}).output
+    assert "MoE layer 0 (rank 1): CPUUnquantizedExperts/vec, 2/4 experts local, expert map [-1, -1, 0, 1]" in shown
+    # the same evidence refutes the opposite claim, and a wrong map is named
+    sc = load_scenario(SCENARIOS_DIR / "repro_ep_tp2_cpu.toml")
+    sc.expect.moe_kernel_ids_out_of_range = False
+    sc.expect.expert_maps = {0: [0, -1, 1, -1]}
+    checks = {c.key: c for c in check_expectations(sc, run, "RuntimeError: cancelled", [])}
+    assert not checks["moe_kernel_ids_out_of_range = false"].ok
+    assert not checks["expert_maps.0 = [0, -1, 1, -1]"].ok
+    assert "got expert map [0, 1, -1, -1]" in checks["expert_maps.0 = [0, -1, 1, -1]"].evidence[0]
 
 
 def test_preemption_reproduced_with_the_steps(tmp_path, cli):

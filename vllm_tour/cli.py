@@ -168,7 +168,7 @@ def trace(
     max_model_len: Optional[int] = typer.Option(None, help="Longest sequence (default 1024)."),
     prefix_caching: Optional[bool] = typer.Option(None, "--prefix-caching/--no-prefix-caching", help="Automatic prefix caching (default on).", metavar=""),
     tp: Optional[int] = typer.Option(None, "--tp", help="Tensor-parallel size (1 or 2; 2 starts two worker processes)."),
-    capture: list[str] = typer.Option([], "--capture", help="Save tensors: attn_out (per-layer attention output), kv_blocks (KV blocks written); comma-separated or repeated."),
+    capture: list[str] = typer.Option([], "--capture", help="Save tensors: attn_out (per-layer attention output), kv_blocks (KV blocks written), router_logits, moe_out, moe_partial (MoE models: gate logits, output after and, with TP/EP > 1, each rank's partial before the all-reduce); comma-separated or repeated."),
     capture_steps: str = typer.Option("", help="Steps to capture, e.g. 1-3,7 (default: every step)."),
     logprobs: Optional[int] = typer.Option(None, "--logprobs", help="Record each generated position's top-K token ids and logprobs in outputs.json (default: 5 for a bf16 scenario, else none)."),
     out: Optional[Path] = typer.Option(None, help="Run directory (default traces/runs/<stamp>-<name>). An existing, non-empty one is refused unless --force."),

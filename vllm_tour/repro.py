@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from .errors import TourError
-from .scenario import Scenario, load_scenario
+from .scenario import ExpectSpec, Scenario, load_scenario
 from .trace.reader import Run, load_run
 
 
@@ -96,7 +96,7 @@ def run_repro(path: Path | str, run_dir: Path | None = None, force: bool = False
     sc = load_scenario(path)
     if sc.expect is None or not sc.expect.keys():
         raise TourError(f"scenario {path} has no [expect] section: nothing to reproduce "
-                        "(keys: engine_fails_with, preempted, resumed, prefix_hit_tokens, tokens_equal)")
+                        f"(keys: {', '.join(ExpectSpec.model_fields)})")
     run_dir = Path(run_dir) if run_dir else new_run_dir(sc.name)
     handler = _ErrorLines()
     loggers = [logging.getLogger(n) for n in _ERROR_LOGGERS]
@@ -204,7 +204,57 @@ def check_expectations(sc: Scenario, run: Run, failure: str | None, log_errors: 
                 pos = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
                 ev.append(f"{first} != {rid} at position {pos}: {a[pos:pos + 1]} vs {b[pos:pos + 1]} (lengths {len(a)}, {len(b)})")
             checks.append(Check(key, ok, ev))
+
+    if ex.expert_maps:
+        checks.extend(_expert_map_checks(ex.expert_maps, run, failure))
+    if ex.moe_kernel_ids_out_of_range is not None:
+        checks.append(_kernel_ids_check(ex.moe_kernel_ids_out_of_range, run, failure))
     return checks
+
+
+def _moe_records(run: Run) -> list:
+    """Every MoE record by step, in the order the layers ran on each rank."""
+    return [r for s in run.steps for rank in sorted(s.moe) for r in s.moe[rank]]
+
+
+def _expert_map_checks(want: dict[int, list[int]], run: Run, failure: str | None) -> list[Check]:
+    seen: dict[int, tuple[list[int] | None, int, int]] = {}  # rank -> (map, step, layer) of its first MoE record
+    for r in _moe_records(run):
+        seen.setdefault(r.proc.rank, (r.expert_map, r.step, r.layer))
+    checks = []
+    for rank, emap in sorted(want.items()):
+        key = f"expert_maps.{rank} = {emap}"
+        if rank not in seen:
+            checks.append(Check(key, False, [f"rank {rank}: no MoE record (its experts kernel never ran)"] + _failed_note(failure)))
+            continue
+        got, step, layer = seen[rank]
+        checks.append(Check(key, got == emap, [f"rank {rank}, step {step}, layer {layer}: the experts kernel got expert map {got}"]))
+    return checks
+
+
+def _kernel_ids_check(want: bool, run: Run, failure: str | None) -> Check:
+    key = _fmt("moe_kernel_ids_out_of_range", want)
+    records = _moe_records(run)
+    if not records:
+        return Check(key, False, ["no MoE record: no experts kernel ran (is the model MoE?)"] + _failed_note(failure))
+    last = {}  # rank -> its last record: where a rank that died stopped
+    bad = []
+    for r in records:
+        last[r.proc.rank] = r
+        out = sorted({e for row in r.topk_ids for e in row if not 0 <= e < r.num_local_experts})
+        if out:
+            bad.append((r, out))
+    ev = []
+    for r, out in bad[:4]:
+        ev.append(f"step {r.step}, layer {r.layer}, rank {r.proc.rank}: {r.kernel} holds {r.num_local_experts} local "
+                  f"experts (expert map {r.expert_map}) and was handed top-k ids {r.topk_ids[:4]}"
+                  f"{' ...' if len(r.topk_ids) > 4 else ''}: ids {out} index past its weight tables")
+    if failure:
+        for rank, r in sorted(last.items()):
+            ev.append(f"rank {rank}: last MoE record step {r.step}, layer {r.layer} (written before that kernel ran)")
+    if not bad:
+        ev.append(f"{len(records)} MoE records: every top-k id the experts kernels got is below their local expert count")
+    return Check(key, bool(bad) == want, ev)
 
 
 # --- the verdict -------------------------------------------------------------------

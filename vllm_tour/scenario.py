@@ -82,6 +82,11 @@ class ExpectSpec(BaseModel):
     resumed: list[str] = []  # each of these requests is scheduled again after a preemption
     prefix_hit_tokens: dict[str, int] = {}  # request -> at least this many prompt tokens from the prefix cache
     tokens_equal: list[str] = []  # these requests generate identical token ids
+    # MoE: each EP rank's expert map (global expert -> local slot, -1 elsewhere) as its experts kernel got it
+    expert_maps: dict[int, list[int]] = {}
+    # MoE: true = some rank's experts kernel was handed top-k ids past its local expert count (global ids
+    # not translated through the expert map); false = every id it got indexes one of its experts
+    moe_kernel_ids_out_of_range: bool | None = None
 
     def keys(self) -> list[str]:
         return [k for k in type(self).model_fields if getattr(self, k) not in (None, [], {})]

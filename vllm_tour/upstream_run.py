@@ -39,7 +39,8 @@ from .writable import check_dir
 Progress = Callable[[int, int, int], None]  # (engine steps done, requests finished, requests total)
 DEFAULT_KV_BYTES = 64 << 20
 MAX_STEPS = 100_000  # a guard against an engine that never finishes
-CAPTURE_NAMES = ("attn_out", "kv_blocks", "tp")  # tp: TP collectives and weight shards (probes/tp.py)
+# probes/capture.py; tp: TP collectives and weight shards (probes/tp.py); MoE routing and outputs (probes/moe.py)
+CAPTURE_NAMES = ("attn_out", "kv_blocks", "tp", "router_logits", "moe_out", "moe_partial")
 
 _ENV_PREFIXES = ("VLLM_", "OMP_", "KMP_", "MKL_", "TORCH_", "PYTORCH_", "TRITON_", "CUDA_VISIBLE_DEVICES", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "LD_PRELOAD")
 _SECRET = re.compile(r"KEY|TOKEN|SECRET|PASSW|AUTH|CREDENTIAL", re.I)

@@ -109,6 +109,22 @@ COMPONENTS: dict[str, Component] = {c.name: c for c in (
              "positions of its sequence. Returns [num_tokens, num_heads * head_dim] in q's dtype."),
         notes=("attn-metadata-build", "attn-kv-write", "attn-kv-layout", "attn-read-block-table"),
     ),
+    Component(
+        "moe", "reimpl.ep:expert_parallel_moe",
+        methods=(),
+        attributes=(),
+        upstream=("vllm.model_executor.models.qwen3_moe.Qwen3MoeSparseMoeBlock",
+                  "vllm.model_executor.layers.fused_moe.expert_map_manager.determine_expert_map",
+                  "vllm.model_executor.layers.fused_moe.runner.moe_runner.MoERunner._maybe_reduce_final_output"),
+        doc=("One MoE layer over a flattened batch, its experts split over ep_size ranks. Route every token (router "
+             "logits = h @ gate_weight.T; keep the top_k; weights = softmax over the kept logits when renormalize, "
+             "else their share of the full softmax). Place the experts as upstream's determine_expert_map does "
+             "(linear: rank r holds a contiguous run; its expert map sends a global id to a local slot, -1 elsewhere). "
+             "Each rank runs its local experts on the tokens routed to them, weighted; the all-reduce sums the "
+             "ranks' partial outputs. Returns reimpl.moe.MoEOutput (output, routing, one RankPart per rank)."),
+        notes=("moe-gate-logits", "moe-softmax-topk", "moe-renormalize", "ep-parallel-config", "ep-expert-map",
+               "ep-final-all-reduce", "ep-cpu-global-ids"),
+    ),
 )}
 
 

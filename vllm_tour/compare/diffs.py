@@ -347,7 +347,7 @@ def reimpl_attention(runner: dict | None, kv: dict | None) -> dict | None:
 
 
 def diff_step(step: int, up: dict[str, dict | None], re_: dict[str, dict | None], sections: tuple[str, ...]) -> list[Divergence]:
-    """up/re_: {"scheduler": rec, "kv": rec, "runner": rec, "attention": rec} for one step."""
+    """up/re_: {"scheduler": rec, "kv": rec, "runner": rec, "attention": rec, "moe": [recs]} for one step."""
     out: list[Divergence] = []
     if "scheduler" in sections:
         _diff_value("scheduler", scheduler_view(up.get("scheduler")), scheduler_view(re_.get("scheduler")), step, out)
@@ -381,6 +381,10 @@ def diff_step(step: int, up: dict[str, dict | None], re_: dict[str, dict | None]
     if "attention" in sections and up.get("attention") is not None:
         _diff_value("attention", attention_view(up.get("attention"), up.get("runner")),
                     attention_view(re_.get("attention"), re_.get("runner")), step, out)
+    if "moe" in sections:
+        from .moe_diff import diff_moe
+
+        out += diff_moe(step, up.get("moe") or [], re_.get("moe") or [], up.get("runner"), re_.get("runner"))
     return out
 
 

@@ -114,7 +114,8 @@ def compare(module: str, scenario_path: Path | str, *, fresh: bool = False, upst
     re_state: dict[int, dict] = {}
     for res in results:
         step = res.out.step
-        re_steps[step] = {rec["kind"]: rec for rec in res.records}
+        re_steps[step] = {rec["kind"]: rec for rec in res.records if rec["kind"] != "moe"}
+        re_steps[step]["moe"] = [rec for rec in res.records if rec["kind"] == "moe"]
         re_steps[step]["attention"] = diffs.reimpl_attention(re_steps[step].get("runner"), re_steps[step].get("kv"))
         re_tensors[step] = res.tensors
         re_state[step] = res.state

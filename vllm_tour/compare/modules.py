@@ -4,8 +4,8 @@ This is the one place a module name is written. Standard library only: the GPU r
 (vllm_tour/gpu/runner.py) reads it on a machine without pydantic.
 
 Every module is judged on tokens. `sections` are the per-step records compared besides
-(scheduler decisions, KV state, runner inputs, attention metadata), `captures` the
-tensors compared per layer (none: not judged on tensors).
+(scheduler decisions, KV state, runner inputs, attention metadata, MoE routing and expert
+placement), `captures` the tensors compared per layer (none: not judged on tensors).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ class CompareModule:
     world_size: int = 1  # TP ranks: a module compares only scenarios run at this tensor_parallel_size
     # "module:function" building a model of world_size ranks (model_dir, world_size, dtype, attention); None: reimpl.qwen3
     model: str | None = None
+    moe_only: bool = False  # judged on MoE models only (a dense scenario is skipped)
 
 
 MODULES: dict[str, CompareModule] = {m.name: m for m in (
@@ -55,6 +56,11 @@ MODULES: dict[str, CompareModule] = {m.name: m for m in (
         "the logits gather",
         components=dict(REFERENCE),
         sections=("scheduler", "kv", "runner"), captures=("tp",), world_size=2, model="reimpl.tp:simulated"),
+    CompareModule(
+        "reimpl.ep", "expert parallelism: the Qwen3-MoE block's routing, and its experts placed on 2 simulated "
+        "ranks, run locally and all-reduced (reimpl/ep.py)",
+        components={**REFERENCE, "moe": "reimpl.ep:expert_parallel_moe"},
+        sections=("scheduler", "kv", "runner", "moe"), captures=("router_logits", "moe_out"), moe_only=True),
 )}
 
 # What upstream is asked to capture: every module's tensors, so that one upstream run serves them all.

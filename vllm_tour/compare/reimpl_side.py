@@ -28,11 +28,25 @@ def applicable(scenario, module: str | None = None) -> str | None:
         return f"tensor_parallel_size={tp} ({module} compares TP={world} runs only)"
     if world > 1 and DTYPES.get(scenario.engine.dtype) != "float32":
         return f"dtype {scenario.engine.dtype} ({module} runs float32)"
-    if "moe" in scenario.model.lower():
-        return f"model {scenario.model} is MoE (reimpl/qwen3.py is the dense Qwen3)"
+    moe_only = bool(module) and get_module(module).moe_only
+    if world > 1 or moe_only:  # single-device modules run both (reimpl/moe.py's Qwen3MoE for MoE checkpoints)
+        moe = is_moe_model(scenario.model)
+        if world > 1 and moe:
+            return f"model {scenario.model} is MoE ({module}'s model is the dense Qwen3)"
+        if moe_only and not moe:
+            return f"model {scenario.model} is dense ({module} judges MoE routing and expert placement)"
     if scenario.engine.dtype not in DTYPES:
         return f"dtype {scenario.engine.dtype} (the reimpl runs float32 or bfloat16)"
     return None
+
+
+def is_moe_model(name: str) -> bool:
+    """The scenario's model is a Qwen3-MoE (read from its config.json; a tiny one is generated if need be)."""
+    from reimpl.moe import is_moe
+
+    from ..models import resolve_model
+
+    return is_moe(json.loads((resolve_model(name) / "config.json").read_text()))
 
 
 def check_module(module: str) -> None:

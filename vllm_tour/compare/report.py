@@ -8,6 +8,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from .modules import MODULES
 from .result import CompareResult
 
 
@@ -56,8 +57,11 @@ def render(result: CompareResult, console: Console, explain: bool = False, max_r
             d.add_row(str(dv.step) if dv.step is not None else "-", escape(dv.field), _short(dv.upstream), _short(dv.reimpl))
         console.print(d)
     else:
+        moe = ("; MoE per layer: top-k expert ids and tokens per expert, each rank's expert map and local token "
+               "counts (top-k weights within fp32 tolerance)") if "moe" in MODULES[result.module].sections else ""
         console.print("[green]decisions identical[/] at every step: scheduled requests and token counts, "
-                      "preemptions, finishes, block tables, new/freed/evicted blocks, prefix hits, runner inputs, slot mapping")
+                      "preemptions, finishes, block tables, new/freed/evicted blocks, prefix hits, runner inputs, slot mapping"
+                      + moe)
 
     if result.tensors:
         tol = j["tolerance"]

@@ -1,4 +1,5 @@
-"""Tensor diffs: upstream's captured attention outputs and KV blocks against the reimpl's, per step and layer.
+"""Tensor diffs: upstream's captured attention outputs, KV blocks, router logits and MoE outputs against the
+reimpl's, per step and layer.
 
 A tensor of a judged kind that only one side produced at a step both sides captured is out of tolerance
 (a reimpl that skips a layer's capture must not pass). What is not judged is returned as not-compared items."""
@@ -12,10 +13,13 @@ from .diffs import TensorStat
 from .upstream import load_capture
 
 
+TOKEN_ROWS = ("attn_out.", "router_logits.", "moe_out.")  # one row per token of the step, in batch order
+
+
 def diff_tensors(run_dir, up_steps, re_steps, re_tensors, atol, rtol,
                  kinds: tuple[str, ...]) -> tuple[list[TensorStat], list[dict]]:
-    """kinds: the tensor kinds judged ("attn_out", "kv_blocks"). Steps only one side ran are step divergences
-    (diffs.diff_steps), not tensor ones. Returns (stats, not compared: [{what, why}])."""
+    """kinds: the tensor kinds judged ("attn_out", "kv_blocks", "router_logits", "moe_out"). Steps only one side
+    ran are step divergences (diffs.diff_steps), not tensor ones. Returns (stats, not compared: [{what, why}])."""
     import torch
 
     stats: list[TensorStat] = []
@@ -41,7 +45,7 @@ def diff_tensors(run_dir, up_steps, re_steps, re_tensors, atol, rtol,
                                         f"missing: the {lacking} did not produce {name} at step {step} (the {other} did)"))
                 continue
             up_t = load_capture(run_dir, rec)
-            if name.startswith("attn_out.") and up_runner and re_runner:
+            if name.startswith(TOKEN_ROWS) and up_runner and re_runner:
                 # lay the reimpl rows out in upstream's batch order
                 qsl = re_runner["query_start_loc"]
                 where = {rid: (qsl[i], qsl[i + 1]) for i, rid in enumerate(re_runner["req_ids"])}

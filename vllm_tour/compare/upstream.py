@@ -30,7 +30,8 @@ class UpstreamRecords:
     run_dir: Path
     meta: dict
     outputs: dict[str, list[int]]  # req_id -> generated token ids
-    steps: dict[int, dict]  # step -> {"scheduler", "kv", "runner", "attention": record, "captures": [records]}
+    # step -> {"scheduler", "kv", "runner", "attention": record, "captures": [records], "moe": [records of every rank]}
+    steps: dict[int, dict]
     top: dict[str, list[list[int]]]  # req_id -> top-k token ids per output position (runs asked for logprobs)
     probe_errors: list[dict]
 
@@ -53,7 +54,8 @@ def load_upstream(run_dir: Path) -> UpstreamRecords:
     run = load_run(Path(run_dir))
     steps: dict[int, dict] = {}
     for s in run.steps:
-        step = {"captures": [c.model_dump(mode="json") for c in s.captures if c.proc.rank == 0]}
+        step = {"captures": [c.model_dump(mode="json") for c in s.captures if c.proc.rank == 0],
+                "moe": [r.model_dump(mode="json") for rank in sorted(s.moe) for r in s.moe[rank]]}
         for kind, rec in (("scheduler", s.scheduler), ("kv", s.kv), ("runner", s.runner.get(0)),
                           ("attention", s.attention.get(0))):
             if rec is not None:

@@ -60,8 +60,9 @@ REPO = Path(__file__).resolve().parents[2]
 TRACE_SCENARIOS = ("single", "concurrent8", "chunked_prefill", "preemption", "shared_prefix")
 COMPARE_SCENARIOS = ("cmp_single", "cmp_chunked", "cmp_preempt", "cmp_shared_prefix",
                      "cmp_single_bf16", "cmp_chunked_bf16", "cmp_preempt_bf16")
-# the default modules are single-device; reimpl.tp (world size 2) is asked for with --modules on the 2-GPU machine
-MODULES = tuple(name for name, m in COMPARE_MODULES.items() if m.world_size == 1)
+# the default modules are single-device; reimpl.tp (world size 2) is asked for with --modules on the 2-GPU
+# machine; reimpl.ep judges MoE records, which the probes write on the CPU pin only
+MODULES = tuple(name for name, m in COMPARE_MODULES.items() if m.world_size == 1 and not m.moe_only)
 STEPS = ("doctor", "race", "trace", "compare", "tokens", "pack")  # the race first: the one figure that needs minutes
 # Seconds each step is given at most (the overall deadline may give less).
 STEP_LIMITS = {"doctor": 60, "trace": 240, "compare": 150, "tokens": 150, "race": 420, "pack": 30}

@@ -33,6 +33,9 @@ class Probe:
     capture_only: bool = False  # installed only when tensors are captured
     role: str = "engine_core"  # which step counter its errors are filed under
     backend: str | None = None  # attention backend it is written for (e.g. TRITON_ATTN); None: any
+    # Installed only on its own pins: a subsystem other pins run elsewhere (the CPU MoE experts kernel
+    # is no target on a CUDA pin). Otherwise a pin it was not checked against is an error.
+    own_pins_only: bool = False
 
 
 @dataclass

@@ -12,14 +12,15 @@ import os
 
 from ..errors import TourError
 from ..trace.writer import RECORDER
-from . import attention, capture, kv, runner, scheduler, tp
+from . import attention, capture, kv, moe, runner, scheduler, tp
 from .base import Probe, Resolved, install, resolve
 
 PIN_ENV = "VLLM_TOUR_PIN"
 BACKEND_ENV = "VLLM_TOUR_ATTN_BACKEND"  # set by run_upstream: the attention backend the engine runs
 
 # Order matters only for reading: scheduler side, then worker side.
-PROBES: list[Probe] = [*scheduler.PROBES, *kv.PROBES, *runner.PROBES, *attention.PROBES, *capture.PROBES, *tp.PROBES]
+PROBES: list[Probe] = [*scheduler.PROBES, *kv.PROBES, *runner.PROBES, *attention.PROBES, *capture.PROBES, *tp.PROBES,
+                      *moe.PROBES]
 
 
 def current_pin() -> str:
@@ -38,8 +39,9 @@ def probes_for(pin: str, backend: str | None = None, probes: list[Probe] | None 
     """The declarations that apply on `pin` with attention backend `backend` (default: the pin's).
 
     Probes without a backend apply on every pin (resolve() then refuses a pin they
-    were not checked against). Backend-specific ones (attention, capture) are
-    chosen by (pin, backend); a name with no declaration for both is an error.
+    were not checked against), except `own_pins_only` ones, which apply on their pins only.
+    Backend-specific ones (attention, capture) are chosen by (pin, backend); a name with no
+    declaration for both is an error.
     """
     from .. import pins
 
@@ -49,6 +51,7 @@ def probes_for(pin: str, backend: str | None = None, probes: list[Probe] | None 
     if backend not in profile.attention_backends:
         raise TourError(f"pin {pin} has probes for the attention backends {', '.join(profile.attention_backends)} "
                         f"(its profile in pins/{pin}.toml), not {backend}")
+    probes = [p for p in probes if not p.own_pins_only or pin in p.pins]
     out = [p for p in probes if p.backend is None or (p.backend == backend and pin in p.pins)]
     chosen = {p.name for p in out}
     for name in dict.fromkeys(p.name for p in probes if p.backend is not None and p.name not in chosen):

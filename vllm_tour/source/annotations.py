@@ -29,7 +29,7 @@ from ..paths import ANNOTATIONS_DIR
 from .concepts import CONCEPTS
 
 LANGS = ("en", "zh")
-PROBE_KINDS = ("scheduler", "kv", "runner", "attention", "tp_shards", "collective")
+PROBE_KINDS = ("scheduler", "kv", "runner", "attention", "tp_shards", "collective", "moe")
 
 
 class Note(BaseModel):

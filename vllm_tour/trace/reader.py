@@ -22,6 +22,7 @@ from .schema import (
     CaptureRecord,
     CollectiveRecord,
     KVRecord,
+    MoERecord,
     Outputs,
     ProbeErrorRecord,
     Record,
@@ -44,6 +45,7 @@ class Step:
     captures: list[CaptureRecord] = field(default_factory=list)
     collectives: dict[int, list[CollectiveRecord]] = field(default_factory=dict)  # by TP rank, in call order
     errors: list[ProbeErrorRecord] = field(default_factory=list)
+    moe: dict[int, list[MoERecord]] = field(default_factory=dict)  # by TP/EP rank, in layer order
 
 
 @dataclass
@@ -157,6 +159,8 @@ def load_run(path: str | Path) -> Run:
             elif isinstance(rec, ProbeErrorRecord):
                 s.errors.append(rec)
                 errors.append(rec)
+            elif isinstance(rec, MoERecord):
+                s.moe.setdefault(rec.proc.rank, []).append(rec)
     if meta.engine_args.get("probes", True) and not steps and meta.status == "ok":
         warnings.append("no trace records: the probes did not record (was the vllm-tour plugin installed?)")
     ordered = [steps[k] for k in sorted(steps)]

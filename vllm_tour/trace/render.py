@@ -9,6 +9,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..errors import TourError
+from .experts import expert_view, moe_detail
 from .reader import Run, Step
 
 PALETTE = ["cyan", "magenta", "green", "yellow", "blue", "red", "bright_cyan", "bright_magenta", "bright_green", "bright_yellow", "bright_blue", "bright_red"]
@@ -188,6 +189,7 @@ def step_detail(run: Run, step: Step) -> Group:
         parts.append(Text(f"attention (rank {rank}): {a.backend} layout {a.layout}; seq_lens {a.seq_lens}; query_lens {a.query_lens}; block_table {a.block_table}; kv cache {layers}"))
     if step.collectives:
         parts.append(collectives_table(step))
+    parts += moe_detail(step)
     caps = [c for c in step.captures if not c.name.startswith("tp.")]
     if caps:
         parts.append(Text("captures: " + ", ".join(f"{c.name} {c.shape} → {c.file}" for c in caps)))
@@ -295,6 +297,9 @@ def show(run: Run, console: Console, step: int | None = None, request: str | Non
             busiest = max(run.steps, key=lambda s: (s.kv.num_blocks - s.kv.free_blocks) if s.kv else -1)
             if busiest.kv:
                 console.print(block_grid(run, busiest))
+        experts = expert_view(run)
+        if experts is not None:
+            console.print(experts)
         console.print(outputs_table(run))
     if run.errors:
         e = run.errors[0]

@@ -171,6 +171,26 @@ class AttentionRecord(_Record):
     layers: list[AttentionLayer]  # only layers whose shape/dtype differ from the first are listed after it
 
 
+# --- mixture of experts ---------------------------------------------------------------
+
+
+class MoERecord(_Record):
+    """One MoE layer's routing as this rank's experts kernel received it (written before the kernel runs,
+    so a kernel that kills the process still leaves it)."""
+
+    kind: Literal["moe"] = "moe"
+    layer: int  # decoder layer index
+    num_tokens: int
+    num_experts: int  # global experts of the layer
+    num_local_experts: int  # experts whose weights this rank holds (rows of the kernel's weight tables)
+    expert_map: list[int] | None  # global expert id -> local slot on this rank, -1 elsewhere; None: all local
+    topk_ids: list[list[int]]  # per token, the expert ids handed to the kernel, in upstream's order
+    topk_weights: list[list[float]]  # per token, same order
+    tokens_per_expert: list[int]  # global expert id -> tokens routed to it (top-k over this rank's batch)
+    local_tokens_per_expert: list[int]  # local slot -> tokens this rank's expert computes (via expert_map)
+    kernel: str  # the experts implementation, e.g. "CPUUnquantizedExperts/vec"
+
+
 # --- captures and errors -------------------------------------------------------------
 
 
@@ -239,6 +259,7 @@ Record = Annotated[
         TPShardsRecord,
         CollectiveRecord,
         ProbeErrorRecord,
+        MoERecord,
     ],
     Field(discriminator="kind"),
 ]

@@ -1,0 +1,124 @@
+"""Probes on the fused-MoE layer (worker processes): routing per layer, the expert map, the outputs.
+
+On v0.32.0 a Qwen3-MoE block is `FusedMoE` -> `MoERunner.forward` -> the `moe_forward` custom op ->
+`MoERunner._apply_quant_method` (the gate's router logits in, the router's top-k, then the experts
+kernel), and back in `forward` the TP/EP all-reduce (`_maybe_reduce_final_output`). Records:
+
+  MoERecord (one per layer, step and rank)  written by the experts kernel's probe *before* the kernel
+                        runs, and flushed: the top-k ids it is handed, the local expert count (rows of
+                        its weight tables) and the expert map, so a kernel that kills the worker still
+                        leaves what it was given. Only forwards of engine steps are recorded.
+  router_logits.layers.<i>  captures (with --capture): the gate's logits [num_tokens, num_experts]
+  moe_out.layers.<i>        the MoE block's output after the all-reduce [num_tokens, hidden]
+  moe_partial.layers.<i>    with TP/EP > 1: this rank's output before the all-reduce
+"""
+
+from __future__ import annotations
+
+from ..trace.writer import RECORDER as R
+from .base import Probe
+
+PINS = ("v0.32.0",)
+RUNNER = "vllm.model_executor.layers.fused_moe.runner.moe_runner.MoERunner"
+CPU_EXPERTS = "vllm.model_executor.layers.fused_moe.experts.cpu_moe.CPUUnquantizedExperts"
+NAMES = ("router_logits", "moe_out", "moe_partial")
+
+_layer = [-1]  # the layer whose MoE block runs now (set by the runner probe, read by the kernel probe)
+
+
+def _apply_before(self, hidden_states, router_logits, *a, **kw):
+    layer = _layer[0] = self.layer_id
+    name = f"router_logits.layers.{layer}"
+    if R.in_execute and R.should_capture(name, R.worker_step):
+        R.captures[name] = router_logits.detach().to("cpu", copy=True)
+        R.capture_meta[name] = {}
+
+
+apply_quant_method = Probe(
+    name="moe.apply_quant_method",
+    target=f"{RUNNER}._apply_quant_method",
+    params=("self", "hidden_states", "router_logits"),
+    records="which decoder layer's MoE block runs; the gate's router logits (only with --capture)",
+    pins=PINS,
+    before=_apply_before,
+    role="worker",
+    own_pins_only=True,
+)
+
+
+def _counts(ids: list[list[int]], n: int) -> list[int]:
+    out = [0] * n
+    for row in ids:
+        for e in row:
+            if 0 <= e < n:  # an id out of range is kept in topk_ids, where it shows
+                out[e] += 1
+    return out
+
+
+def _experts_before(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation,
+                    global_num_experts, expert_map, *a, **kw):
+    if not R.in_execute:
+        return
+    ids = topk_ids.tolist()
+    local = int(w1.shape[0])
+    emap = expert_map.tolist() if expert_map is not None else None
+    num_experts = int(global_num_experts) if global_num_experts > 0 else local
+    per_expert = _counts(ids, num_experts)
+    local_counts = per_expert if emap is None else [0] * local
+    if emap is not None:
+        for e, n in enumerate(per_expert):
+            if 0 <= emap[e] < local:
+                local_counts[emap[e]] += n
+    R.write({  # a schema.MoERecord; flushed now: the kernel that follows may kill this process
+        "step": R.worker_step, "proc": R.proc_dict("worker"), "kind": "moe", "layer": _layer[0],
+        "num_tokens": len(ids), "num_experts": num_experts, "num_local_experts": local, "expert_map": emap,
+        "topk_ids": ids, "topk_weights": topk_weights.float().tolist(),
+        "tokens_per_expert": per_expert, "local_tokens_per_expert": local_counts,
+        "kernel": f"{type(self).__name__}/{getattr(self, 'isa', '?')}",
+    })
+
+
+cpu_experts = Probe(
+    name="moe.cpu_experts",
+    target=f"{CPU_EXPERTS}.apply",
+    params=("self", "output", "hidden_states", "w1", "w2", "topk_weights", "topk_ids", "activation",
+            "global_num_experts", "expert_map"),
+    records="per layer: the top-k ids and weights the CPU experts kernel receives, its local expert count, "
+            "the expert map, tokens per expert (global and local); written before the kernel runs",
+    pins=PINS,
+    before=_experts_before,
+    role="worker",
+    own_pins_only=True,
+)
+
+
+def _reduce_before(self, states, *a, **kw):
+    name = f"moe_partial.layers.{self.layer_id}"
+    world = max(self.moe_config.tp_size, self.moe_config.ep_size)
+    if world > 1 and R.in_execute and R.should_capture(name, R.worker_step):
+        # copied before the call: the CPU all-reduce sums in place
+        R.captures[name] = states.detach().to("cpu", copy=True)
+        R.capture_meta[name] = {}
+
+
+def _reduce_after(token, result, self, *a, **kw):
+    name = f"moe_out.layers.{self.layer_id}"
+    if R.in_execute and R.should_capture(name, R.worker_step):
+        R.captures[name] = result.detach().to("cpu", copy=True)
+        R.capture_meta[name] = {}
+
+
+reduce_final_output = Probe(
+    name="moe.reduce_final_output",
+    target=f"{RUNNER}._maybe_reduce_final_output",
+    params=("self", "states", "trunc_size"),
+    records="the MoE output after the TP/EP all-reduce, and with TP/EP > 1 each rank's partial before it "
+            "(only with --capture)",
+    pins=PINS,
+    before=_reduce_before,
+    after=_reduce_after,
+    role="worker",
+    own_pins_only=True,
+)
+
+PROBES = [apply_quant_method, cpu_experts, reduce_final_output]
