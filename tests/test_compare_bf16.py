@@ -17,7 +17,7 @@ from reimpl.engine import Engine
 from reimpl.qwen3 import Qwen3
 from vllm_tour.bench.bf16_error_stats import engine_factory
 from vllm_tour.cli import app
-from vllm_tour.compare import diffs
+from vllm_tour.compare import tolerance
 from vllm_tour.compare.harness import compare
 from vllm_tour.compare.report import render
 from vllm_tour.compare.tokens import logprobs_close
@@ -45,15 +45,15 @@ def test_logprobs_close_identical_pass_fail():
 
 def test_tolerance_follows_the_run_dtype():
     for backend, env in (("CPUAttention", None), ("TritonAttention", None), ("TritonAttention", {"TRITON_F32_DEFAULT": "ieee"})):
-        assert diffs.tolerance_for(backend, env, "bfloat16") is diffs.BF16
-    assert diffs.tolerance_for("CPUAttention", None, "float32") is diffs.FP32
-    assert (diffs.BF16.atol, diffs.BF16.rtol, diffs.BF16.name) == (5e-2, 1e-2, "bf16") and diffs.BF16.reason
-    assert (diffs.BF16.max_gain, diffs.BF16.max_rel_rms) == (2.0**-10, 2.0**-6) and "gain" in diffs.BF16.rule
-    for fp32 in (diffs.FP32, diffs.TF32_DOTS, diffs.FP32_IEEE_DOTS):  # fp32 is judged by its max alone
+        assert tolerance.tolerance_for(backend, env, "bfloat16") is tolerance.BF16
+    assert tolerance.tolerance_for("CPUAttention", None, "float32") is tolerance.FP32
+    assert (tolerance.BF16.atol, tolerance.BF16.rtol, tolerance.BF16.name) == (5e-2, 1e-2, "bf16") and tolerance.BF16.reason
+    assert (tolerance.BF16.max_gain, tolerance.BF16.max_rel_rms) == (2.0**-10, 2.0**-6) and "gain" in tolerance.BF16.rule
+    for fp32 in (tolerance.FP32, tolerance.TF32_DOTS, tolerance.FP32_IEEE_DOTS):  # fp32 is judged by its max alone
         assert (fp32.max_gain, fp32.max_rel_rms) == (None, None)
 
 
-def _steps(scale: float, noise_ulps: float, steps: int = 8, seed: int = 0) -> list[diffs.TensorStat]:
+def _steps(scale: float, noise_ulps: float, steps: int = 8, seed: int = 0) -> list[tolerance.TensorStat]:
     """A bf16 reference per step and a reimpl = reference x scale + noise_ulps ulps of random rounding, in bf16."""
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -61,26 +61,26 @@ def _steps(scale: float, noise_ulps: float, steps: int = 8, seed: int = 0) -> li
         ref = torch.randn(64, 256, generator=g).bfloat16()
         ulp = 2.0 ** (torch.frexp(ref.float())[1] - 8).float()
         mine = (ref.float() * scale + noise_ulps * ulp * torch.randn(ref.shape, generator=g)).bfloat16()
-        out.append(diffs.compare_tensor("attn_out.layers.0", step, ref, mine, diffs.BF16.atol, diffs.BF16.rtol))
+        out.append(tolerance.compare_tensor("attn_out.layers.0", step, ref, mine, tolerance.BF16.atol, tolerance.BF16.rtol))
     return out
 
 
 def test_pooled_statistics_tell_a_scale_bug_from_rounding():
     """Per element both are within a few ulps, so within the max rule; pooled over the steps the 0.5% scale
     is a gain of 5e-3 and fails, unbiased rounding noise of half an ulp does not. fp32 gets no pooled row."""
-    noise = diffs.pool_steps(_steps(1.0, 0.5), diffs.BF16)
-    scaled = diffs.pool_steps(_steps(1.005, 0.0), diffs.BF16)
+    noise = tolerance.pool_steps(_steps(1.0, 0.5), tolerance.BF16)
+    scaled = tolerance.pool_steps(_steps(1.005, 0.0), tolerance.BF16)
     assert all(s.ok for s in noise + scaled if s.step is not None)
     (pooled,) = [s for s in noise if s.step is None]
     assert pooled.ok and abs(pooled.gain) < 2e-4 and pooled.numel == 8 * 64 * 256
     (pooled,) = [s for s in scaled if s.step is None]
     assert not pooled.ok and pooled.failed == ["gain"] and 4e-3 < pooled.gain < 6e-3
     assert pooled.note.startswith("all 8 steps pooled") and "|gain|" in pooled.note
-    big = diffs.pool_steps(_steps(1.0, 4.0), diffs.BF16)  # unbiased but 4 ulps everywhere: rel_rms, not gain
+    big = tolerance.pool_steps(_steps(1.0, 4.0), tolerance.BF16)  # unbiased but 4 ulps everywhere: rel_rms, not gain
     assert [s.failed for s in big if s.step is None] == [["rel_rms"]]
-    assert diffs.pool_steps(_steps(1.005, 0.0), diffs.FP32) == _steps(1.005, 0.0)
-    moved = diffs.TensorStat("kv_blocks.layers.0", 1, [2], float("inf"), float("inf"), 5e-2, 1e-2, False, "other blocks")
-    assert moved.failed == ["max_abs"] and diffs.pool_steps([moved], diffs.BF16) == [moved]  # nothing to pool
+    assert tolerance.pool_steps(_steps(1.005, 0.0), tolerance.FP32) == _steps(1.005, 0.0)
+    moved = tolerance.TensorStat("kv_blocks.layers.0", 1, [2], float("inf"), float("inf"), 5e-2, 1e-2, False, "other blocks")
+    assert moved.failed == ["max_abs"] and tolerance.pool_steps([moved], tolerance.BF16) == [moved]  # nothing to pool
 
 
 # --- upstream in bf16 ------------------------------------------------------------------------
@@ -149,7 +149,7 @@ def test_bf16_off_by_one_slot_mapping(compare_upstream, monkeypatch):
     orig = paged_attn.slot_mapping
     monkeypatch.setattr(paged_attn, "slot_mapping", lambda table, pos, bs: [s + 1 for s in orig(table, pos, bs)])
     r = compare_upstream("reimpl.paged_attn", "cmp_single_bf16")
-    assert r.exit_code == 1 and r.tolerance is diffs.BF16
+    assert r.exit_code == 1 and r.tolerance is tolerance.BF16
     assert (r.first.step, r.first.field) == (1, "runner.requests[r0].slot_mapping")
     assert any(not t.ok for t in r.tensors if t.name.startswith("kv_blocks.") and t.step == 1)  # the cache contents moved
 
@@ -178,11 +178,11 @@ def test_correct_reimpl_attention_is_within_bf16_on_every_scenario(compare_upstr
     attn = [t for t in r.tensors if t.name.startswith("attn_out.")]
     assert len(attn) == 2 * r.steps_upstream + 2 and [t for t in attn if not t.ok] == []
     pooled = {t.name: t for t in attn if t.step is None}
-    assert all(abs(t.gain) < diffs.BF16.max_gain / 2 and t.rel_rms < diffs.BF16.max_rel_rms for t in pooled.values())
+    assert all(abs(t.gain) < tolerance.BF16.max_gain / 2 and t.rel_rms < tolerance.BF16.max_rel_rms for t in pooled.values())
     assert not [d for d in r.divergences if d.kind != "tokens"]
 
 
-def _pooled(r, name: str) -> diffs.TensorStat:
+def _pooled(r, name: str) -> tolerance.TensorStat:
     return next(t for t in r.tensors if t.name == name and t.step is None)
 
 
@@ -194,7 +194,7 @@ def test_a_one_percent_bug_passes_the_max_and_fails_the_gain(compare_upstream, m
     assert r.exit_code == 1 and not [d for d in r.divergences if d.kind != "tokens"]
     assert all(t.ok for t in r.tensors if t.name.startswith("attn_out.") and t.step is not None)
     layer0 = _pooled(r, "attn_out.layers.0")
-    assert not layer0.ok and "gain" in layer0.failed and layer0.gain > diffs.BF16.max_gain
+    assert not layer0.ok and "gain" in layer0.failed and layer0.gain > tolerance.BF16.max_gain
     j = r.to_json()
     (row,) = [t for t in j["tensors"] if t["name"] == "attn_out.layers.0" and t["step"] is None]
     assert "gain" in row["failed"] and "|gain|" in row["note"] and "gain" in j["tolerance"]["rule"]
@@ -209,7 +209,7 @@ def test_rope_off_by_one_fails_max_and_rel_rms(compare_upstream):
                          engine_factory=engine_factory("reimpl.paged_attn", "rope_query_off_by_one"))
     assert r.exit_code == 1 and not [d for d in r.divergences if d.kind != "tokens"]
     step1 = next(t for t in r.tensors if (t.name, t.step) == ("attn_out.layers.0", 1))
-    assert step1.failed == ["max_abs"] and step1.max_abs > 10 * diffs.BF16.atol
+    assert step1.failed == ["max_abs"] and step1.max_abs > 10 * tolerance.BF16.atol
     assert "rel_rms" in _pooled(r, "attn_out.layers.0").failed
 
 

@@ -127,7 +127,7 @@ def test_shared_prefix_near_tie_flips_with_tf32(tmp_path):
 def test_cuda_triton_tolerance_follows_the_recorded_f32_default(tmp_path):
     """The golden recorded TRITON_F32_DEFAULT=ieee: fp32's 1e-5. The same backend without it (Triton's default,
     TF32 dots): 1e-2. --atol/--rtol still win."""
-    from vllm_tour.compare import diffs
+    from vllm_tour.compare import diffs, tolerance
 
     r = _compare_golden(tmp_path, "single", module="reimpl.paged_attn")
     tol = r["tolerance"]
@@ -135,33 +135,33 @@ def test_cuda_triton_tolerance_follows_the_recorded_f32_default(tmp_path):
     assert (tol["atol"], tol["rtol"], tol["name"]) == (1e-5, 1e-5, "fp32") and "TRITON_F32_DEFAULT=ieee" in tol["reason"]
     r = _compare_golden(tmp_path / "tf32", "single", module="reimpl.paged_attn", env={})
     tol = r["tolerance"]
-    assert (tol["atol"], tol["rtol"], tol["name"]) == (1e-2, 1e-2, diffs.TF32_DOTS.name) and "TF32" in tol["reason"]
+    assert (tol["atol"], tol["rtol"], tol["name"]) == (1e-2, 1e-2, tolerance.TF32_DOTS.name) and "TF32" in tol["reason"]
     r = _compare_golden(tmp_path / "given", "single", module="reimpl.paged_attn", env={}, atol=1e-4)
     assert (r["tolerance"]["atol"], r["tolerance"]["rtol"], r["tolerance"]["name"]) == (1e-4, 1e-2, "given")
 
 
 def test_tolerance_for_backend_and_env():
-    from vllm_tour.compare import diffs
+    from vllm_tour.compare import diffs, tolerance
 
-    assert diffs.tolerance_for("CPUAttention") == diffs.FP32 and diffs.tolerance_for(None) == diffs.FP32
-    assert diffs.tolerance_for("CPUAttention", {"TRITON_F32_DEFAULT": "tf32"}) == diffs.FP32
-    assert diffs.tolerance_for("TritonAttention") == diffs.TF32_DOTS
-    assert diffs.tolerance_for("TritonAttention", {"TRITON_F32_DEFAULT": "tf32"}) == diffs.TF32_DOTS
-    ieee = diffs.tolerance_for("TritonAttention", {"TRITON_F32_DEFAULT": "ieee"})
-    assert (ieee.atol, ieee.rtol, ieee.name) == (1e-5, 1e-5, "fp32") and ieee == diffs.FP32_IEEE_DOTS
+    assert tolerance.tolerance_for("CPUAttention") == tolerance.FP32 and tolerance.tolerance_for(None) == tolerance.FP32
+    assert tolerance.tolerance_for("CPUAttention", {"TRITON_F32_DEFAULT": "tf32"}) == tolerance.FP32
+    assert tolerance.tolerance_for("TritonAttention") == tolerance.TF32_DOTS
+    assert tolerance.tolerance_for("TritonAttention", {"TRITON_F32_DEFAULT": "tf32"}) == tolerance.TF32_DOTS
+    ieee = tolerance.tolerance_for("TritonAttention", {"TRITON_F32_DEFAULT": "ieee"})
+    assert (ieee.atol, ieee.rtol, ieee.name) == (1e-5, 1e-5, "fp32") and ieee == tolerance.FP32_IEEE_DOTS
 
 
 def test_tf32_tolerance_is_needed_and_enough(compare_upstream):
     """On CPU: the reimpl with TF32-emulated attention vs upstream's fp32 CPU run. fp32's 1e-5 rejects it (so it
     would reject upstream CUDA Triton too); the TF32 tolerance accepts it; decisions stay identical."""
-    from vllm_tour.compare import diffs
+    from vllm_tour.compare import diffs, tolerance
 
     r = compare_upstream("reimpl.paged_attn", "cmp_chunked", engine_factory=_tf32_engine)
-    assert r.tolerance == diffs.FP32 and not r.divergences and r.bad_tensors
+    assert r.tolerance == tolerance.FP32 and not r.divergences and r.bad_tensors
     worst = max(t.max_abs for t in r.tensors)
-    assert 1e-3 < worst < diffs.TF32_DOTS.atol / 2  # observed on the H200: 2.2e-3..3.6e-3
+    assert 1e-3 < worst < tolerance.TF32_DOTS.atol / 2  # observed on the H200: 2.2e-3..3.6e-3
     r = compare_upstream("reimpl.paged_attn", "cmp_chunked", engine_factory=_tf32_engine,
-                         atol=diffs.TF32_DOTS.atol, rtol=diffs.TF32_DOTS.rtol)
+                         atol=tolerance.TF32_DOTS.atol, rtol=tolerance.TF32_DOTS.rtol)
     assert r.clean
 
 

@@ -6,7 +6,7 @@
 For each scenario and mutation it runs `compare` (upstream from the compare cache) and prints, per
 compared tensor over all steps: max |Δ|, mean |Δ|, gain = sum(Δ·ref) / sum(ref²) (the reimpl is
 (1 + gain) x upstream), rel_rms = ||Δ|| / ||ref||, and the median and p99 of |Δ| in ulps of the bf16
-reference element. diffs.BF16's limits come from these numbers.
+reference element. tolerance.BF16's limits come from these numbers.
 
 The mutations are bugs a bf16 max |Δ| of 5e-2 does not see; tests/test_compare_bf16.py uses them too.
 """
@@ -22,7 +22,7 @@ from safetensors import safe_open
 
 from reimpl.engine import Engine
 from reimpl.qwen3 import apply_rope
-from vllm_tour.compare import diffs, harness
+from vllm_tour.compare import harness, tolerance
 from vllm_tour.compare.reimpl_side import check_module, engine_components
 from vllm_tour.paths import SCENARIOS_DIR
 
@@ -93,7 +93,7 @@ def ulp_quantiles(up: torch.Tensor, re_: torch.Tensor, qs=(0.5, 0.99)) -> list[f
 
 def measure(module: str, scenario: str, mutation: str) -> list[dict]:
     pairs: dict[str, list] = {}
-    compare_tensor = diffs.compare_tensor
+    compare_tensor = tolerance.compare_tensor
 
     def keep(name, step, up, re_, *a, **kw):  # the (masked) tensors behind each statistic, for the ulp quantiles
         stat = compare_tensor(name, step, up, re_, *a, **kw)
@@ -102,11 +102,11 @@ def measure(module: str, scenario: str, mutation: str) -> list[dict]:
             pairs.setdefault(name, []).append((up[mask] if mask is not None else up, re_[mask] if mask is not None else re_))
         return stat
 
-    diffs.compare_tensor = keep
+    tolerance.compare_tensor = keep
     try:
         r = harness.compare(module, SCENARIOS_DIR / f"{scenario}.toml", engine_factory=engine_factory(module, mutation))
     finally:
-        diffs.compare_tensor = compare_tensor
+        tolerance.compare_tensor = compare_tensor
     rows = []
     for s in (t for t in r.tensors if t.step is None):
         ups, res = zip(*pairs[s.name])
@@ -125,7 +125,7 @@ def main() -> None:
     ap.add_argument("--scenario", nargs="+", default=list(SCENARIOS))
     ap.add_argument("--mutation", nargs="+", default=list(MUTATIONS), choices=list(MUTATIONS))
     args = ap.parse_args()
-    print(f"limits ({diffs.BF16.name}): {diffs.BF16.rule}")
+    print(f"limits ({tolerance.BF16.name}): {tolerance.BF16.rule}")
     cols = ("max_abs", "mean_abs", "gain", "rel_rms", "p50_ulp", "p99_ulp", "worst_step_gain")
     print(f"{'scenario':17s} {'mutation':22s} {'tensor':19s}" + "".join(f"{c:>16s}" for c in cols) + "  failed")
     for scenario in args.scenario:

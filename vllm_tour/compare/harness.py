@@ -23,7 +23,7 @@ from typing import Callable
 
 from ..errors import TourError
 from ..paths import SCENARIOS_DIR
-from . import diffs
+from . import diffs, tolerance
 from .diffs import Divergence
 from .explain import explain as explain_divergence
 from .explain import topk_notes
@@ -59,8 +59,8 @@ def compare(module: str, scenario_path: Path | str, *, fresh: bool = False, upst
     reference (components.COMPONENTS); checked before any engine starts. engine_factory(cfg) builds the
     engine instead (tests); not with impl.
     Tensor tolerance: atol/rtol when given, else chosen from the upstream run's dtype, attention
-    backend and env (diffs.tolerance_for: fp32 1e-5; TF32 dots on CUDA Triton 1e-2, unless the run
-    recorded TRITON_F32_DEFAULT=ieee; bf16 diffs.BF16). Tokens: exact in fp32; in bf16 vLLM's top-k
+    backend and env (tolerance.tolerance_for: fp32 1e-5; TF32 dots on CUDA Triton 1e-2, unless the run
+    recorded TRITON_F32_DEFAULT=ieee; bf16 tolerance.BF16). Tokens: exact in fp32; in bf16 vLLM's top-k
     rule (diffs.diff_tokens_topk), the reimpl running on upstream's tokens (run_reimpl)."""
     from ..scenario import load_scenario
 
@@ -88,9 +88,9 @@ def compare(module: str, scenario_path: Path | str, *, fresh: bool = False, upst
     if dtype != "float32" and not up.top:
         raise TourError(f"upstream run {run_dir} ran in {dtype} but recorded no top-k logprobs, which the {dtype} "
                         f"token rule needs: rerun it with logprobs (upstream_run.run_upstream(..., logprobs={TOP_K}))")
-    tol = diffs.tolerance_for(backend, up.meta.get("env"), dtype)
+    tol = tolerance.tolerance_for(backend, up.meta.get("env"), dtype)
     if atol is not None or rtol is not None:
-        tol = diffs.Tolerance(tol.atol if atol is None else atol, tol.rtol if rtol is None else rtol, "given",
+        tol = tolerance.Tolerance(tol.atol if atol is None else atol, tol.rtol if rtol is None else rtol, "given",
                               "set by the caller (--atol/--rtol)")
     collected: list = []
     crash: Divergence | None = None
@@ -159,7 +159,7 @@ def compare(module: str, scenario_path: Path | str, *, fresh: bool = False, upst
     elif tensors:
         ran = {s: v for s, v in up.steps.items() if crash is None or s < crash.step}
         tstats, skipped = diff_tensors(run_dir, ran, re_steps, re_tensors, tol.atol, tol.rtol, captures or CAPTURES)
-        tstats = diffs.pool_steps(tstats, tol)
+        tstats = tolerance.pool_steps(tstats, tol)
         not_compared += skipped
 
     tokens = {rid: {"upstream": up.outputs.get(rid), "reimpl": re_outputs.get(rid), "forced": rid in forced}

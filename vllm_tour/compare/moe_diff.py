@@ -13,7 +13,9 @@ many ranks, and the local token counts they imply from upstream's routing.
 
 from __future__ import annotations
 
-from .diffs import ATOL, RTOL, Divergence
+from .diffs import Divergence
+
+from .tolerance import ATOL, RTOL
 
 
 def _rows(runner: dict | None) -> dict[str, range]:

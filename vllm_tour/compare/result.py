@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from . import diffs
-from .diffs import Divergence, TensorStat
+from . import tolerance
+from .diffs import Divergence
+from .tolerance import TensorStat
 from .tokens import TOP_K
 
 
@@ -23,7 +24,7 @@ class CompareResult:
     notes: list[str] = field(default_factory=list)
     explain: dict | None = None
     duration_s: float = 0.0
-    tolerance: diffs.Tolerance = diffs.FP32
+    tolerance: tolerance.Tolerance = tolerance.FP32
     upstream_backend: str | None = None
     upstream_isa: str | None = None  # CPU attention kernel ISA upstream ran (vec, amx, ...); None on CUDA
     dtype: str = "float32"  # what upstream ran in (and so the reimpl): decides the token rule and tolerance

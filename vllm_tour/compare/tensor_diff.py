@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from ..errors import TourError
 from ..probes.kv_layout import CANONICAL_LAYOUT
-from . import diffs
-from .diffs import TensorStat
+from . import tolerance
+from .tolerance import TensorStat
 from .upstream import load_capture
 
 
@@ -54,7 +54,7 @@ def diff_tensors(run_dir, up_steps, re_steps, re_tensors, atol, rtol,
                     mine = mine[torch.tensor(idx, dtype=torch.long)]
                 except KeyError:
                     pass  # a batch difference: already a decision divergence; compare as is
-                stats.append(diffs.compare_tensor(name, step, up_t, mine, atol, rtol))
+                stats.append(tolerance.compare_tensor(name, step, up_t, mine, atol, rtol))
             elif name.startswith("kv_blocks."):
                 ids = rec.get("block_ids")
                 mine_ids = re_tensors[step].get(name + "#block_ids")
@@ -67,7 +67,7 @@ def diff_tensors(run_dir, up_steps, re_steps, re_tensors, atol, rtol,
                     raise TourError(f"upstream run {run_dir}: {name} at step {step} is stored as {rec.get('layout')}, "
                                     f"not {CANONICAL_LAYOUT}: it was recorded by an older vllm-tour; rerun it (--fresh)")
                 mask = _valid_slots_mask(up_t, ids or mine_ids or [], re_steps[step], up_t.shape[3])
-                stats.append(diffs.compare_tensor(name, step, up_t, mine, atol, rtol, mask,
+                stats.append(tolerance.compare_tensor(name, step, up_t, mine, atol, rtol, mask,
                                                   "slots holding tokens (stale slots past each sequence end ignored)"))
     not_compared = []
     if any(s.name.startswith("kv_blocks.") for s in stats):

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from ..probes.tp import digest
 from ..trace.reader import load_run
-from . import diffs
-from .diffs import Divergence, TensorStat
+from . import tolerance
+from .diffs import Divergence
+from .tolerance import TensorStat
 from .upstream import load_capture
 
 
@@ -106,7 +107,7 @@ def diff_collectives(run, up_steps: dict, re_steps: dict, re_tensors: dict, atol
                 # (upstream's packed GEMM vs torch's) moves them by ~1e-5 of their scale, so the absolute
                 # floor is scaled by the tensor's RMS where that exceeds 1 (unchanged for the all-reduces).
                 scale = max(1.0, float(up_t.double().pow(2).mean().sqrt())) if up_t.numel() else 1.0
-                stats.append(diffs.compare_tensor(key, step.index, up_t, mine, atol * scale, rtol,
+                stats.append(tolerance.compare_tensor(key, step.index, up_t, mine, atol * scale, rtol,
                                                   note=f"atol scaled by the RMS {scale:.3g}" if scale > 1 else ""))
             st = stats[-1]
             if not st.ok and rank not in first_bad:

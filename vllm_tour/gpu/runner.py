@@ -26,7 +26,7 @@ files go first if it is still too big (named in its ARCHIVE.json).
 `--triton-f32 ieee` sets TRITON_F32_DEFAULT=ieee for every step: Triton's fp32
 `tl.dot` (upstream's TRITON_ATTN kernel passes no input_precision) then runs in
 IEEE fp32 instead of NVIDIA's default TF32. The trace's meta.env records it, and
-compare's tensor tolerance follows it (diffs.tolerance_for: fp32 1e-5).
+compare's tensor tolerance follows it (tolerance.tolerance_for: fp32 1e-5).
 
 Upstream's attention backend is the pin's (v0.21.0: TRITON_ATTN, passed as
 `attention_config` by upstream_run.engine_kwargs) or `--attention-backend`, which
