@@ -89,3 +89,23 @@ def test_engine_kwargs_per_pin():
     assert cuda["attention_config"] == {"backend": "TRITON_ATTN"} and cuda["async_scheduling"] is False
     sc.engine.attention_backend = "FLASH_ATTN"
     assert engine_kwargs(sc, Path("/m"), "v0.21.0")["attention_config"] == {"backend": "FLASH_ATTN"}
+
+
+def test_moe_probes_pick_each_pins_experts_kernel():
+    """v0.21.0 (CUDA) records MoE routing at the Triton experts kernel and its runner's (layer, hidden, logits)
+    call; v0.32.0 at the CPU kernel. The layer index comes from v0.21.0's layer name (its runner has no layer_id)."""
+    from types import SimpleNamespace
+
+    from vllm_tour.probes import moe
+
+    def moe_targets(pin):
+        return {p.name: (p.target, p.params) for p in inst.probes_for(pin) if p.name.startswith("moe.")}
+
+    cuda, cpu = moe_targets("v0.21.0"), moe_targets("v0.32.0")
+    assert cuda["moe.triton_experts"][0].endswith("triton_moe.TritonExperts.apply") and "moe.cpu_experts" not in cuda
+    assert cpu["moe.cpu_experts"][0].endswith("cpu_moe.CPUUnquantizedExperts.apply") and "moe.triton_experts" not in cpu
+    assert cuda["moe.apply_quant_method"][1][:4] == ("self", "layer", "hidden_states", "router_logits")
+    assert cpu["moe.apply_quant_method"][1][:3] == ("self", "hidden_states", "router_logits")
+    assert "moe.reduce_final_output" in cuda and "moe.reduce_final_output" in cpu
+    assert moe._layer_id(SimpleNamespace(layer_name="model.layers.7.mlp.experts")) == 7
+    assert moe._layer_id(SimpleNamespace(layer_id=3, layer_name="x")) == 3

@@ -1,6 +1,6 @@
 """Probes on the fused-MoE layer (worker processes): routing per layer, the expert map, the outputs.
 
-On v0.32.0 a Qwen3-MoE block is `FusedMoE` -> `MoERunner.forward` -> the `moe_forward` custom op ->
+On v0.32.0 (and v0.21.0, whose runner has the same shape) a Qwen3-MoE block is `FusedMoE` -> `MoERunner.forward` -> the `moe_forward` custom op ->
 `MoERunner._apply_quant_method` (the gate's router logits in, the router's top-k, then the experts
 kernel), and back in `forward` the TP/EP all-reduce (`_maybe_reduce_final_output`). Records:
 
@@ -11,6 +11,9 @@ kernel), and back in `forward` the TP/EP all-reduce (`_maybe_reduce_final_output
   router_logits.layers.<i>  captures (with --capture): the gate's logits [num_tokens, num_experts]
   moe_out.layers.<i>        the MoE block's output after the all-reduce [num_tokens, hidden]
   moe_partial.layers.<i>    with TP/EP > 1: this rank's output before the all-reduce
+
+The experts kernel differs per pin: the CPU's `CPUUnquantizedExperts` on v0.32.0, the CUDA Triton kernel
+`TritonExperts` on v0.21.0 (fp32 unquantized MoE picks it); both take the same leading arguments.
 """
 
 from __future__ import annotations
@@ -18,16 +21,24 @@ from __future__ import annotations
 from ..trace.writer import RECORDER as R
 from .base import Probe
 
-PINS = ("v0.32.0",)
+PINS = ("v0.32.0", "v0.21.0")
 RUNNER = "vllm.model_executor.layers.fused_moe.runner.moe_runner.MoERunner"
 CPU_EXPERTS = "vllm.model_executor.layers.fused_moe.experts.cpu_moe.CPUUnquantizedExperts"
+TRITON_EXPERTS = "vllm.model_executor.layers.fused_moe.experts.triton_moe.TritonExperts"
 NAMES = ("router_logits", "moe_out", "moe_partial")
 
 _layer = [-1]  # the layer whose MoE block runs now (set by the runner probe, read by the kernel probe)
 
 
+def _layer_id(runner) -> int:
+    # v0.21.0's runner has no layer_id, only its layer name ("model.layers.<i>.mlp.experts")
+    if hasattr(runner, "layer_id"):
+        return runner.layer_id
+    return int(runner.layer_name.split("layers.")[1].split(".")[0])
+
+
 def _apply_before(self, hidden_states, router_logits, *a, **kw):
-    layer = _layer[0] = self.layer_id
+    layer = _layer[0] = _layer_id(self)
     name = f"router_logits.layers.{layer}"
     if R.in_execute and R.should_capture(name, R.worker_step):
         R.captures[name] = router_logits.detach().to("cpu", copy=True)
@@ -39,8 +50,19 @@ apply_quant_method = Probe(
     target=f"{RUNNER}._apply_quant_method",
     params=("self", "hidden_states", "router_logits"),
     records="which decoder layer's MoE block runs; the gate's router logits (only with --capture)",
-    pins=PINS,
+    pins=("v0.32.0",),
     before=_apply_before,
+    role="worker",
+    own_pins_only=True,
+)
+
+apply_quant_method_v0210 = Probe(  # v0.21.0 passes the FusedMoE layer first
+    name="moe.apply_quant_method",
+    target=f"{RUNNER}._apply_quant_method",
+    params=("self", "layer", "hidden_states", "router_logits"),
+    records="which decoder layer's MoE block runs; the gate's router logits (only with --capture)",
+    pins=("v0.21.0",),
+    before=lambda self, layer, hidden, logits, *a, **kw: _apply_before(self, hidden, logits),
     role="worker",
     own_pins_only=True,
 )
@@ -78,14 +100,28 @@ def _experts_before(self, output, hidden_states, w1, w2, topk_weights, topk_ids,
     })
 
 
+_EXPERTS_PARAMS = ("self", "output", "hidden_states", "w1", "w2", "topk_weights", "topk_ids", "activation",
+                   "global_num_experts", "expert_map")
+_EXPERTS_RECORDS = ("per layer: the top-k ids and weights the experts kernel receives, its local expert count, "
+                    "the expert map, tokens per expert (global and local); written before the kernel runs")
+
 cpu_experts = Probe(
     name="moe.cpu_experts",
     target=f"{CPU_EXPERTS}.apply",
-    params=("self", "output", "hidden_states", "w1", "w2", "topk_weights", "topk_ids", "activation",
-            "global_num_experts", "expert_map"),
-    records="per layer: the top-k ids and weights the CPU experts kernel receives, its local expert count, "
-            "the expert map, tokens per expert (global and local); written before the kernel runs",
-    pins=PINS,
+    params=_EXPERTS_PARAMS,
+    records=_EXPERTS_RECORDS,
+    pins=("v0.32.0",),
+    before=_experts_before,
+    role="worker",
+    own_pins_only=True,
+)
+
+triton_experts = Probe(
+    name="moe.triton_experts",
+    target=f"{TRITON_EXPERTS}.apply",
+    params=_EXPERTS_PARAMS,
+    records=_EXPERTS_RECORDS,
+    pins=("v0.21.0",),
     before=_experts_before,
     role="worker",
     own_pins_only=True,
@@ -93,7 +129,7 @@ cpu_experts = Probe(
 
 
 def _reduce_before(self, states, *a, **kw):
-    name = f"moe_partial.layers.{self.layer_id}"
+    name = f"moe_partial.layers.{_layer_id(self)}"
     world = max(self.moe_config.tp_size, self.moe_config.ep_size)
     if world > 1 and R.in_execute and R.should_capture(name, R.worker_step):
         # copied before the call: the CPU all-reduce sums in place
@@ -102,7 +138,7 @@ def _reduce_before(self, states, *a, **kw):
 
 
 def _reduce_after(token, result, self, *a, **kw):
-    name = f"moe_out.layers.{self.layer_id}"
+    name = f"moe_out.layers.{_layer_id(self)}"
     if R.in_execute and R.should_capture(name, R.worker_step):
         R.captures[name] = result.detach().to("cpu", copy=True)
         R.capture_meta[name] = {}
@@ -121,4 +157,4 @@ reduce_final_output = Probe(
     own_pins_only=True,
 )
 
-PROBES = [apply_quant_method, cpu_experts, reduce_final_output]
+PROBES = [apply_quant_method, apply_quant_method_v0210, cpu_experts, triton_experts, reduce_final_output]
