@@ -56,17 +56,13 @@ def _forward_after(token, result, self, layer, query, key, value, kv_cache, attn
     m = _LAYER.search(getattr(layer, "layer_name", ""))
     idx = m.group(1) if m else getattr(layer, "layer_name", "?")
     n = attn_metadata.num_actual_tokens
-    name = f"attn_out.layers.{idx}"
-    if R.should_capture(name, step):
-        R.captures[name] = output[:n].reshape(n, -1).detach().to("cpu", copy=True)
-        R.capture_meta[name] = {}
+    R.keep_capture(f"attn_out.layers.{idx}", output[:n].reshape(n, -1), step)
     name = f"kv_blocks.layers.{idx}"
-    if R.should_capture(name, step):
+    if R.should_capture(name, step):  # decoding the blocks costs: only when asked
         block_size = kv_cache.shape[2]
         blocks = sorted({s // block_size for s in _slots if s >= 0})
         t, written_by = select(kv_cache, blocks, layer)
-        R.captures[name] = t.detach().to("cpu", copy=True)
-        R.capture_meta[name] = {"block_ids": blocks, "layout": CANONICAL_LAYOUT, **written_by}
+        R.keep_capture(name, t, step, block_ids=blocks, layout=CANONICAL_LAYOUT, **written_by)
 
 
 forward = Probe(

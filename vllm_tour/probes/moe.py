@@ -39,10 +39,7 @@ def _layer_id(runner) -> int:
 
 def _apply_before(self, hidden_states, router_logits, *a, **kw):
     layer = _layer[0] = _layer_id(self)
-    name = f"router_logits.layers.{layer}"
-    if R.in_execute and R.should_capture(name, R.worker_step):
-        R.captures[name] = router_logits.detach().to("cpu", copy=True)
-        R.capture_meta[name] = {}
+    R.keep_capture(f"router_logits.layers.{layer}", router_logits)
 
 
 apply_quant_method = Probe(
@@ -129,19 +126,13 @@ triton_experts = Probe(
 
 
 def _reduce_before(self, states, *a, **kw):
-    name = f"moe_partial.layers.{_layer_id(self)}"
-    world = max(self.moe_config.tp_size, self.moe_config.ep_size)
-    if world > 1 and R.in_execute and R.should_capture(name, R.worker_step):
+    if max(self.moe_config.tp_size, self.moe_config.ep_size) > 1:
         # copied before the call: the CPU all-reduce sums in place
-        R.captures[name] = states.detach().to("cpu", copy=True)
-        R.capture_meta[name] = {}
+        R.keep_capture(f"moe_partial.layers.{_layer_id(self)}", states)
 
 
 def _reduce_after(token, result, self, *a, **kw):
-    name = f"moe_out.layers.{_layer_id(self)}"
-    if R.in_execute and R.should_capture(name, R.worker_step):
-        R.captures[name] = result.detach().to("cpu", copy=True)
-        R.capture_meta[name] = {}
+    R.keep_capture(f"moe_out.layers.{_layer_id(self)}", result)
 
 
 reduce_final_output = Probe(

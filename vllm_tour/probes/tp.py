@@ -125,10 +125,8 @@ def _collective(op: str, layer: str, x_in, x_out) -> None:
         "sha256_out": None if x_out is None else digest(x_out),
     }, flush=False)
     for side, t in (("in", x_in), ("out", x_out)):
-        name = f"{CAPTURE}.{op}_{side}.{layer}"
-        if t is not None and R.should_capture(name, step):
-            R.captures[name] = t.detach().to("cpu", copy=True)
-            R.capture_meta[name] = {}
+        if t is not None:
+            R.keep_capture(f"{CAPTURE}.{op}_{side}.{layer}", t, step)
 
 
 def _reduce_before(self, input_, *a, **kw):

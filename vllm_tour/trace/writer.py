@@ -167,6 +167,14 @@ class Recorder:
         except Exception:
             pass  # a probe error we cannot even write must still not reach the engine
 
+    def keep_capture(self, name: str, tensor, step: int | None = None, **meta) -> None:
+        """Keep a copy of `tensor` as capture `name` of this step (default: the worker's) when --capture asks
+        for it; copied now, since a probe's tensor may be overwritten in place, and written when the step flushes."""
+        step = self.worker_step if step is None else step
+        if self.in_execute and self.should_capture(name, step):
+            self.captures[name] = tensor.detach().to("cpu", copy=True)
+            self.capture_meta[name] = meta
+
     def should_capture(self, name: str, step: int) -> bool:
         if not self.capture:
             return False
