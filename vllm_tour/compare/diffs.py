@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .tokens import TOP_K, logprobs_close
+from ..logprobs import TOP_K
+from .tokens import logprobs_close
 
 @dataclass
 class Divergence:

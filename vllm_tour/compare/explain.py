@@ -4,7 +4,7 @@ and where a bf16 run's tokens stopped being compared."""
 from __future__ import annotations
 
 from .result import CompareResult
-from .tokens import TOP_K
+from ..logprobs import TOP_K
 
 
 def explain(result: CompareResult, up_steps, re_steps, re_state) -> dict | None:

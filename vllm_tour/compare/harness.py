@@ -32,7 +32,7 @@ from .reimpl_side import applicable, check_module, engine_components, model_fact
 from .result import CompareResult
 from .tensor_diff import diff_tensors
 from .tp_diff import diff_tp
-from .tokens import TOP_K
+from ..logprobs import TOP_K
 from .upstream import load_upstream, run_dtype, upstream_run_for
 
 

@@ -13,7 +13,7 @@ from typing import Callable
 from ..errors import TourError
 from .components import check_impl, load_impl
 from .modules import MODULES, get_module
-from .tokens import TOP_K
+from ..logprobs import TOP_K
 from .upstream import DTYPES, UpstreamRecords
 
 

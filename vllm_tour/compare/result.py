@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from . import tolerance
 from .diffs import Divergence
 from .tolerance import TensorStat
-from .tokens import TOP_K
+from ..logprobs import TOP_K
 
 
 @dataclass

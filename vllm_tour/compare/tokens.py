@@ -10,8 +10,6 @@ comparing there (the two sides then continue from different contexts).
 
 from __future__ import annotations
 
-from ..logprobs import TOP_K  # noqa: F401  (the k of the rule; diffs reads it here)
-
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
     for i, (x, y) in enumerate(zip(a, b)):
