@@ -41,7 +41,8 @@ def test_static_check_catches_a_missing_target_and_a_changed_signature(tree_v021
     probs = check_static("v0.21.0", tree_v0210, backends=["TRITON_ATTN"], probes=[gone])
     assert len(probs) == 1 and "TritonAttentionMetadataBuilder.build_v9 not found on pin v0.21.0" in probs[0]
     probs = check_static("v0.21.0", tree_v0210, backends=["TRITON_ATTN"], probes=[renamed])
-    assert len(probs) == 1 and "expected (self, common_prefix_len, metadata" in probs[0]
+    assert "expected (self, common_prefix_len, metadata" in probs[0]
+    assert "its after hook cannot take (self, common_prefix_len, metadata) by keyword" in probs[1]
     # v0.32.0's CPU backend module is no target on v0.21.0's declarations
     assert all("cpu_attn" not in p.target for p in inst.probes_for("v0.21.0"))
 
@@ -109,3 +110,23 @@ def test_moe_probes_pick_each_pins_experts_kernel():
     assert "moe.reduce_final_output" in cuda and "moe.reduce_final_output" in cpu
     assert moe._layer_id(SimpleNamespace(layer_name="model.layers.7.mlp.experts")) == 7
     assert moe._layer_id(SimpleNamespace(layer_id=3, layer_name="x")) == 3
+
+
+def test_static_check_catches_a_hook_that_cannot_take_its_target_arguments_by_keyword(monkeypatch):
+    """v0.21.0's MoE runner calls `_apply_quant_method(layer=..., hidden_states=..., router_logits=...)`: a hook
+    naming those parameters otherwise raised TypeError on every call and left every MoE record with layer -1."""
+    from vllm_tour.probes import moe
+    from vllm_tour.probes.static import hook_problems
+
+    assert all(hook_problems(p) == [] for p in inst.PROBES)
+    renamed = dataclasses.replace(moe.apply_quant_method_v0210,
+                                  before=lambda self, layer, hidden, logits, *a, **kw: None)
+    probs = hook_problems(renamed)
+    assert len(probs) == 1 and "before hook cannot take (self, layer, hidden_states, router_logits) by keyword" in probs[0]
+    calls = []
+    runner = type("Runner", (), {"layer_name": "model.layers.3.mlp.experts"})()
+    from vllm_tour.trace.writer import RECORDER
+
+    monkeypatch.setattr(RECORDER, "keep_capture", lambda name, t: calls.append(name))
+    moe.apply_quant_method_v0210.before(runner, layer=None, hidden_states=None, router_logits=None)
+    assert moe._layer[0] == 3 and calls == ["router_logits.layers.3"]

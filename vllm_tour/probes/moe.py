@@ -53,13 +53,17 @@ apply_quant_method = Probe(
     own_pins_only=True,
 )
 
-apply_quant_method_v0210 = Probe(  # v0.21.0 passes the FusedMoE layer first
+def _apply_before_v0210(self, layer, hidden_states, router_logits, *a, **kw):
+    _apply_before(self, hidden_states, router_logits)
+
+
+apply_quant_method_v0210 = Probe(  # v0.21.0 passes the FusedMoE layer first (by keyword, from _forward_impl)
     name="moe.apply_quant_method",
     target=f"{RUNNER}._apply_quant_method",
     params=("self", "layer", "hidden_states", "router_logits"),
     records="which decoder layer's MoE block runs; the gate's router logits (only with --capture)",
     pins=("v0.21.0",),
-    before=lambda self, layer, hidden, logits, *a, **kw: _apply_before(self, hidden, logits),
+    before=_apply_before_v0210,
     role="worker",
     own_pins_only=True,
 )

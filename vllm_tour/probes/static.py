@@ -56,4 +56,25 @@ def check_static(pin: str, tree, backends: list[str | None] | None = None, probe
             if tuple(names[: len(p.params)]) != p.params:
                 problems.append(f"probe {p.name}: target {p.target} on pin {pin} has parameters ({', '.join(names)}), "
                                 f"expected ({', '.join(p.params)}, ...)")
-    return problems
+    return problems + [msg for p in {p.name + p.target: p for p in probes}.values() if pin in p.pins
+                       for msg in hook_problems(p)]
+
+
+def hook_problems(p: Probe) -> list[str]:
+    """A hook is called with the target's own arguments, positional or by keyword as the caller wrote them
+    (v0.21.0's runner passes `layer=..., hidden_states=...`): it must accept every declared parameter both ways."""
+    import inspect
+
+    out = []
+    hooks = (("before", p.before, ()), ("after", p.after, ("token", "result")))
+    for kind, hook, lead in hooks:
+        if hook is None:
+            continue
+        sig = inspect.signature(hook)
+        for how, call in (("by position", lambda: sig.bind(*lead, *p.params)),
+                          ("by keyword", lambda: sig.bind(*lead, p.params[0], **{n: n for n in p.params[1:]}))):
+            try:
+                call()
+            except TypeError as e:
+                out.append(f"probe {p.name}: its {kind} hook cannot take ({', '.join(p.params)}) {how}: {e}")
+    return out
