@@ -219,6 +219,11 @@ class Engine:
             elif name.startswith(("router_logits.layers.", "moe_out.layers.")):
                 moe = self.model.last_moe[int(name.rsplit(".", 1)[1])]
                 tensors[name] = (moe.routing.logits if name.startswith("router_logits") else moe.out).clone()
+            elif name.startswith("moe_partial.layers."):  # each expert-parallel rank's output before the all-reduce
+                moe = self.model.last_moe[int(name.rsplit(".", 1)[1])]
+                for rank, part in enumerate(moe.ranks):
+                    if part.expert_map is not None:
+                        tensors[f"{name}.rank{rank}"] = part.partial.clone()
             elif name == "logits":
                 tensors[name] = logits.clone()
             elif name == "tp":  # a tensor-parallel model's collectives, per rank (reimpl/tp.py)

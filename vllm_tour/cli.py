@@ -289,11 +289,15 @@ def compare(
     impl: list[str] = typer.Option([], "--impl", metavar="COMPONENT=FILE.py[:Name]",
                                    help=f"Your own class/function for a component ({', '.join(COMPONENTS)}); "
                                    "the rest stays the reference. Repeatable."),
+    upstream_run: Optional[Path] = typer.Option(None, "--upstream-run", metavar="RUN_DIR",
+                                                help="Compare against this finished upstream run of --scenario instead of "
+                                                "running upstream here: a GPU run, or a golden such as "
+                                                "traces/golden/v0.21.0/ep_single (upstream EP does not run on CPU)."),
 ):
     """Run upstream (probes) and the reimpl on a scenario; diff tokens, per-step decisions, tensors. Exit 0 clean, 1 diverged, 2 could not run."""
     from .compare.command import run_compare
 
-    code = run_compare(module, scenario, all_scenarios, explain, json_out, fresh, atol, rtol, console, impl)
+    code = run_compare(module, scenario, all_scenarios, explain, json_out, fresh, atol, rtol, console, impl, upstream_run)
     raise typer.Exit(code)
 
 

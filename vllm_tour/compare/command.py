@@ -17,10 +17,12 @@ from .reimpl_side import engine_components
 
 
 def run_compare(module: str, scenario: Path | None, all_scenarios: bool, explain: bool, json_out: Path | None,
-                fresh: bool, atol: float | None, rtol: float | None, console: Console, impl_options: list[str] = ()) -> int:
+                fresh: bool, atol: float | None, rtol: float | None, console: Console, impl_options: list[str] = (),
+                upstream_run: Path | None = None) -> int:
     """0: every scenario clean; 1: some diverged; 2 (TourError): could not run.
 
-    impl_options: "COMPONENT=FILE.py[:Name]" each; every file is checked before any engine starts."""
+    impl_options: "COMPONENT=FILE.py[:Name]" each; every file is checked before any engine starts.
+    upstream_run: a finished upstream run of the one --scenario (e.g. a GPU run or a golden) instead of running it."""
     from ..trace.command import quiet_vllm
     from ..writable import check_file
 
@@ -33,6 +35,14 @@ def run_compare(module: str, scenario: Path | None, all_scenarios: bool, explain
         impl[component] = spec
     engine_components(module, impl)
     paths = harness.scenario_paths(all_scenarios, scenario)
+    if upstream_run is not None:
+        if scenario is None:
+            raise TourError("--upstream-run is a run of one scenario: give it with --scenario FILE")
+        if fresh:
+            raise TourError("give --upstream-run or --fresh, not both")
+        from ..trace.reader import load_run
+
+        load_run(Path(upstream_run))  # unreadable: one line, before any engine starts
     out = Path(json_out) if json_out else RUNS_DIR / "compare" / f"{time.strftime('%Y%m%d-%H%M%S')}-{module.replace('.', '_')}.json"
     check_file(out, "JSON report")
     from ..scenario import load_scenario
@@ -43,6 +53,8 @@ def run_compare(module: str, scenario: Path | None, all_scenarios: bool, explain
         why = harness.applicable(sc, module)
         if not why and all_scenarios and path.name.startswith("repro_"):
             why = "a repro scenario (run it with `vllm-tour repro`)"
+        if not why and all_scenarios:
+            why = harness.cannot_run_here(sc)
         if why:
             if not all_scenarios:
                 raise TourError(f"scenario {sc.name}: the reimpl cannot run it: {why}")
@@ -50,7 +62,8 @@ def run_compare(module: str, scenario: Path | None, all_scenarios: bool, explain
             continue
         console.print(f"[dim]{module} · {sc.name}: running upstream (cached per scenario) and reimpl…[/]")
         try:
-            r = harness.compare(module, path, fresh=fresh, explain=explain, atol=atol, rtol=rtol, impl=impl)
+            r = harness.compare(module, path, fresh=fresh, explain=explain, atol=atol, rtol=rtol, impl=impl,
+                                upstream_run=upstream_run)
         except TourError as e:
             if not all_scenarios:
                 raise
@@ -58,8 +71,8 @@ def run_compare(module: str, scenario: Path | None, all_scenarios: bool, explain
             console.print(f"[red]{sc.name}: could not run: {escape(str(e))}[/]")
             continue
         report.render(r, console, explain=explain)
-        # also beside the upstream run it was compared with
-        harness.write_report(r, Path(r.upstream_run) / f"compare-{module.replace('.', '_')}.json")
+        if upstream_run is None:  # also beside the (cached) upstream run it was compared with; a given run is left as it is
+            harness.write_report(r, Path(r.upstream_run) / f"compare-{module.replace('.', '_')}.json")
         results.append(r)
 
     summary = {

@@ -33,7 +33,7 @@ from .result import CompareResult
 from .tensor_diff import diff_tensors
 from .tp_diff import diff_tp
 from ..logprobs import TOP_K
-from .upstream import load_upstream, run_dtype, upstream_run_for
+from .upstream import cannot_run_here, load_upstream, run_dtype, upstream_run_for
 
 
 def scenario_paths(all_scenarios: bool, scenario: Path | None) -> list[Path]:
@@ -73,6 +73,8 @@ def compare(module: str, scenario_path: Path | str, *, fresh: bool = False, upst
     why = applicable(scenario, module)
     if why:
         raise TourError(f"scenario {scenario.name}: the reimpl cannot run it: {why}")
+    if upstream_run is None and (why := cannot_run_here(scenario)):
+        raise TourError(f"scenario {scenario.name}: upstream cannot run it here: {why}")
     run_dir = Path(upstream_run) if upstream_run else upstream_run_for(scenario, fresh=fresh, progress=progress)
     up = load_upstream(run_dir)
     if up.meta.get("status") != "ok":
@@ -80,7 +82,12 @@ def compare(module: str, scenario_path: Path | str, *, fresh: bool = False, upst
     if up.probe_errors:
         first_error = up.probe_errors[0]
         raise TourError(f"upstream run {run_dir} has probe errors (first: {first_error['probe']}: {first_error['error']})")
+    if upstream_run is not None:
+        _check_run_is_of(scenario, up, run_dir)
     captures = get_module(module).captures
+    one_device = (up.meta.get("engine_args") or {}).get("tensor_parallel_size", 1) == 1
+    if one_device:  # no rank of upstream's computed a partial (reimpl.ep's simulated ranks are judged on placement)
+        captures = tuple(c for c in captures if c != "moe_partial")
     if tensors is None:
         tensors = bool(captures)
     backend = up.backend
@@ -148,6 +155,10 @@ def compare(module: str, scenario_path: Path | str, *, fresh: bool = False, upst
                                     tuple(x for x in sections if at_crash.get(x) is not None))
         divs.append(crash)
     not_compared = _not_compared(module, up, sampled_at, verdicts, crash, tensors)
+    if one_device and "moe_partial" in get_module(module).captures:
+        not_compared.append({"what": "moe_partial (each rank's MoE output before the all-reduce)",
+                             "why": "upstream ran on one device, so it has no partials; the simulated ranks are judged on "
+                                    "their expert maps and local token counts against upstream's determine_expert_map"})
     tstats = []
     world = get_module(module).world_size
     if tensors and world > 1:
@@ -177,6 +188,17 @@ def compare(module: str, scenario_path: Path | str, *, fresh: bool = False, upst
         result.explain = explain_divergence(result, up.steps, re_steps, re_state)
     result.duration_s = time.perf_counter() - t0
     return result
+
+
+def _check_run_is_of(scenario, up, run_dir: Path) -> None:
+    """A run given by path must be one of this scenario: same model, TP size and prompts."""
+    args = up.meta.get("engine_args") or {}
+    theirs = (up.meta.get("model"), args.get("tensor_parallel_size", 1), [r["prompt_token_ids"] for r in up.meta["requests"]])
+    ours = (scenario.model, scenario.engine.tensor_parallel_size, [r.prompt_token_ids for r in scenario.requests])
+    for what, a, b in zip(("model", "tensor_parallel_size", "prompts"), theirs, ours):
+        if a != b and not (what == "prompts" and None in b):  # a text prompt: tokenized by upstream
+            raise TourError(f"upstream run {run_dir} is not a run of scenario {scenario.name}: its {what} differs"
+                            + ("" if what == "prompts" else f" ({a} vs {b})"))
 
 
 def _tp1_tokens(scenario, up, components, tp_outputs: dict, dtype: str) -> list[Divergence]:

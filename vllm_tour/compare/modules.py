@@ -36,6 +36,9 @@ class CompareModule:
     # "module:function" building a model of world_size ranks (model_dir, world_size, dtype, attention); None: reimpl.qwen3
     model: str | None = None
     moe_only: bool = False  # judged on MoE models only (a dense scenario is skipped)
+    # EP ranks its MoE block simulates: it also compares runs at tensor_parallel_size = this with
+    # enable_expert_parallel (each rank's expert map and partial against upstream's own ranks)
+    expert_parallel: int = 0
 
 
 MODULES: dict[str, CompareModule] = {m.name: m for m in (
@@ -58,9 +61,10 @@ MODULES: dict[str, CompareModule] = {m.name: m for m in (
         sections=("scheduler", "kv", "runner"), captures=("tp",), world_size=2, model="reimpl.tp:simulated"),
     CompareModule(
         "reimpl.ep", "expert parallelism: the Qwen3-MoE block's routing, and its experts placed on 2 simulated "
-        "ranks, run locally and all-reduced (reimpl/ep.py)",
+        "ranks, run locally and all-reduced (reimpl/ep.py); against upstream at TP=1 or at EP=2",
         components={**REFERENCE, "moe": "reimpl.ep:expert_parallel_moe"},
-        sections=("scheduler", "kv", "runner", "moe"), captures=("router_logits", "moe_out"), moe_only=True),
+        sections=("scheduler", "kv", "runner", "moe"), captures=("router_logits", "moe_out", "moe_partial"),
+        moe_only=True, expert_parallel=2),
 )}
 
 # What upstream is asked to capture: every module's tensors, so that one upstream run serves them all.

@@ -75,9 +75,19 @@ def diff_moe(step: int, up_records: list[dict], re_records: list[dict], up_runne
                                   "MoE layer recorded only in " + ("upstream" if layer in up else "reimpl")))
             continue
         u, r = up[layer][min(up[layer])], re_[layer][min(re_[layer])]
+        out += _diff_upstream_ranks(step, where, up[layer])
         out += _diff_routing(step, where, u, r, order)
         out += _diff_placement(step, where, up[layer], re_[layer], reference_map)
     return out
+
+
+def _diff_upstream_ranks(step: int, where: str, ranks: dict[int, dict]) -> list[Divergence]:
+    """Upstream's own invariant under EP: the gate is replicated and every rank routes every token, so all ranks
+    hand their experts kernel the same top-k ids."""
+    first = min(ranks)
+    return [Divergence("decision", step, f"{where}.rank[{rank}].topk_ids", ranks[first]["topk_ids"], rec["topk_ids"], None,
+                       f"upstream's rank {rank} routed the step's tokens differently from its rank {first}")
+            for rank, rec in sorted(ranks.items()) if rec["topk_ids"] != ranks[first]["topk_ids"]]
 
 
 def _diff_routing(step: int, where: str, u: dict, r: dict, order) -> list[Divergence]:

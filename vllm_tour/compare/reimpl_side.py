@@ -21,7 +21,11 @@ def applicable(scenario, module: str | None = None) -> str | None:
     """Why `module` (None: a single-device one) cannot run this scenario, or None if it can."""
     world = get_module(module).world_size if module else 1
     tp = scenario.engine.tensor_parallel_size
-    if tp != world:
+    ep = scenario.engine.enable_expert_parallel and tp > 1
+    if ep and not (module and get_module(module).expert_parallel == tp):
+        multi = ", ".join(name for name, m in MODULES.items() if m.expert_parallel == tp) or "no module"
+        return f"expert parallelism at TP={tp} ({multi} compares EP={tp} runs)"
+    if tp != world and not ep:
         if world == 1:
             multi = ", ".join(name for name, m in MODULES.items() if m.world_size == tp) or "no module"
             return f"tensor_parallel_size={tp} (this module's reimpl is single-device; {multi} compares TP={tp})"
@@ -153,7 +157,7 @@ def run_reimpl(scenario, up: UpstreamRecords, components: dict[str, object], eng
     if sched is None or kv is None:
         raise TourError("the upstream run has no scheduler/KV records: were probes installed?")
     args = up.meta["engine_args"]
-    model_dir = Path(up.meta["model_path"])
+    model_dir = up.model_dir
     from .. import pins
 
     policies = pins.pin_profile(up.meta["pin"]).reimpl_policies()

@@ -10,15 +10,23 @@ from ..errors import TourError
 from ..probes.kv_layout import CANONICAL_LAYOUT
 from . import tolerance
 from .tolerance import TensorStat
-from .upstream import load_capture
+from .upstream import PER_RANK_CAPTURES, load_capture
 
 
-TOKEN_ROWS = ("attn_out.", "router_logits.", "moe_out.")  # one row per token of the step, in batch order
+TOKEN_ROWS = ("attn_out.", "router_logits.", "moe_out.", "moe_partial.")  # one row per token of the step, in batch order
+
+
+def capture_name(rec: dict) -> str:
+    """The name a capture is judged under: a per-rank kind gets its rank (moe_partial.layers.0.rank1), as the
+    reimpl names its simulated ranks' tensors."""
+    if rec["name"].startswith(PER_RANK_CAPTURES):
+        return f"{rec['name']}.rank{rec['proc']['rank']}"
+    return rec["name"]
 
 
 def diff_tensors(run_dir, up_steps, re_steps, re_tensors, atol, rtol,
                  kinds: tuple[str, ...]) -> tuple[list[TensorStat], list[dict]]:
-    """kinds: the tensor kinds judged ("attn_out", "kv_blocks", "router_logits", "moe_out"). Steps only one side
+    """kinds: the tensor kinds judged ("attn_out", "kv_blocks", "router_logits", "moe_out", "moe_partial"). Steps only one side
     ran are step divergences (diffs.diff_steps), not tensor ones. Returns (stats, not compared: [{what, why}])."""
     import torch
 
@@ -26,7 +34,7 @@ def diff_tensors(run_dir, up_steps, re_steps, re_tensors, atol, rtol,
     uncaptured: list[int] = []
     other_kinds: set[str] = set()
     for step in sorted(set(up_steps) & set(re_tensors)):
-        caps = {rec["name"]: rec for rec in up_steps[step].get("captures") or []}
+        caps = {capture_name(rec): rec for rec in up_steps[step].get("captures") or []}
         produced = {k: v for k, v in re_tensors[step].items() if "#" not in k}  # "#block_ids": side data
         if not caps:
             if produced:

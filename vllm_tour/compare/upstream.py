@@ -45,16 +45,32 @@ class UpstreamRecords:
         return self.attention.get("backend")
 
     @property
+    def model_dir(self) -> Path:
+        """The checkpoint upstream ran; for a run from another machine (a golden stores "<cache>/NAME"), the
+        same model resolved here."""
+        path = Path(self.meta["model_path"])
+        if path.is_dir():
+            return path
+        from ..models import resolve_model
+
+        return resolve_model(self.meta["model"])
+
+    @property
     def isa(self) -> str | None:
         """The CPU attention kernel's ISA upstream ran (vec, amx, ...); None on CUDA and in older runs."""
         return self.attention.get("isa")
+
+
+# Captures kept from every rank (the others: rank 0's, the full tensor after the collectives)
+PER_RANK_CAPTURES = ("moe_partial.",)
 
 
 def load_upstream(run_dir: Path) -> UpstreamRecords:
     run = load_run(Path(run_dir))
     steps: dict[int, dict] = {}
     for s in run.steps:
-        step = {"captures": [c.model_dump(mode="json") for c in s.captures if c.proc.rank == 0],
+        step = {"captures": [c.model_dump(mode="json") for c in s.captures
+                             if c.proc.rank == 0 or c.name.startswith(PER_RANK_CAPTURES)],
                 "moe": [r.model_dump(mode="json") for rank in sorted(s.moe) for r in s.moe[rank]]}
         for kind, rec in (("scheduler", s.scheduler), ("kv", s.kv), ("runner", s.runner.get(0)),
                           ("attention", s.attention.get(0))):
@@ -76,6 +92,20 @@ def load_capture(run_dir: Path, rec: dict):
     from safetensors.torch import load_file
 
     return load_file(str(Path(run_dir) / rec["file"]))[rec["tensor"]]
+
+
+def cannot_run_here(scenario) -> str | None:
+    """Why upstream cannot run `scenario` on this machine's vLLM (None: it can)."""
+    from ..pins import current_platform_name
+    from .reimpl_side import is_moe_model
+
+    e = scenario.engine
+    if e.enable_expert_parallel and e.tensor_parallel_size > 1 and current_platform_name() == "cpu" \
+            and is_moe_model(scenario.model):
+        return ("upstream's CPU experts kernel is handed global expert ids under expert parallelism and kills a worker "
+                "(vllm-tour repro traces/scenarios/repro_ep_tp2_cpu.toml): compare against a GPU run of the scenario "
+                "with --upstream-run DIR, e.g. the CUDA golden traces/golden/v0.21.0/" + scenario.name)
+    return None
 
 
 def upstream_run_for(scenario, fresh: bool = False, run_dir: Path | None = None, progress=None) -> Path:
