@@ -83,7 +83,7 @@ def diff_tensors(run_dir, up_steps, re_steps, re_tensors, atol, rtol,
                              "why": "stale: a reused block keeps whatever its last owner wrote there, and neither side clears it"})
     if uncaptured:
         not_compared.append({"what": f"tensors at steps {_ranges(uncaptured)}",
-                             "why": "upstream captured no tensors at these steps (a run recorded with --capture-steps)"})
+                             "why": "upstream has no tensors at these steps (a run recorded with --capture-steps, or a golden: goldens keep none)"})
     for kind in sorted(other_kinds):
         not_compared.append({"what": f"{kind}.* tensors", "why": f"the module is not judged on {kind} (it judges: {', '.join(kinds)})"})
     return stats, not_compared
