@@ -8,7 +8,8 @@
 With `--capture tp` the tensors go into the step's capture file as tp.<op>_in.<layer> / tp.<op>_out.<layer>
 and the shards into captures/weights.rank<r>.safetensors; so does, per step and column-parallel layer,
 the rank's un-gathered output shard as tp.column_out.<layer> (qkv_proj: [q_r; k_r'; v_r'], gate_up_proj:
-[gate_r; up_r]). No record of its own: no collective runs there, the capture is the whole story.
+[gate_r; up_r]; the LM head is vocab parallel, no ColumnParallelLinear: its shard is the gather's input).
+No record of its own: no collective runs there, the capture is the whole story.
 
 A collective does not know which layer called it: the row-parallel layer's and the embedding's forward
 set `_layer` for the all-reduce inside them (upstream prefixes, e.g. model.layers.0.mlp.down_proj).
@@ -164,9 +165,10 @@ gather_logits = Probe(
     pins=PINS, after=_gather_after, role="worker",
 )
 
+
 def _column_after(token, result, self, input_, *a, **kw):
     if _world["size"] == 1 or self.gather_output:
-        return  # gathered: the whole output, no rank's own
+        return  # one rank, or the gathered whole: no rank's own shard to keep
     out = result[0] if isinstance(result, tuple) else result  # (output, bias) unless return_bias=False
     R.keep_capture(f"{CAPTURE}.column_out.{self.prefix}", out)
 
