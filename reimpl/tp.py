@@ -2,7 +2,8 @@
 
 Upstream counterparts (v0.32.0):
 - `vllm.model_executor.layers.linear.ColumnParallelLinear`: cuts the output dim; rank r holds rows
-  [r*out/tp, (r+1)*out/tp) (`weight_loader`); no communication, the output stays sharded.
+  [r*out/tp, (r+1)*out/tp) (`weight_loader`); no communication, the output stays sharded (`forward`,
+  gather_output=False).
 - `vllm.model_executor.layers.linear.MergedColumnParallelLinear`: gate and up each cut like a column
   layer, then stacked: rank r holds [gate_r; up_r], not a contiguous slice of the fused [gate; up].
 - `vllm.model_executor.layers.linear.QKVParallelLinear`: rank r holds [q_r; k_r'; v_r']; with more
@@ -44,7 +45,8 @@ VOCAB_PADDING = 64  # vocab_parallel_embedding.DEFAULT_VOCAB_PADDING_SIZE
 
 class SimulatedGroup:
     """Every rank in this process. `recorded` keeps each collective's input and output per rank
-    (tp.<op>_in.<layer> / tp.<op>_out.<layer>, keyed "rank<r>/..."), as the upstream probes capture them."""
+    (tp.<op>_in.<layer> / tp.<op>_out.<layer>, keyed "rank<r>/..."), and each column-parallel layer's output
+    shard (tp.column_out.<layer>), as the upstream probes capture them."""
 
     def __init__(self, world_size: int):
         self.world_size = world_size
@@ -61,10 +63,14 @@ class SimulatedGroup:
         whole = torch.cat(parts, dim=-1)
         return self._record("all_gather", layer, parts, [whole.clone() for _ in parts])
 
+    def keep(self, rank: int, name: str, t: torch.Tensor) -> None:
+        """Record `rank`'s tensor under upstream's capture name (tp.<name>)."""
+        self.recorded[f"rank{rank}/tp.{name}"] = t.clone()
+
     def _record(self, op, layer, ins, outs):
         for r, x_in, x_out in zip(self.ranks, ins, outs):
-            self.recorded[f"rank{r}/tp.{op}_in.{layer}"] = x_in.clone()
-            self.recorded[f"rank{r}/tp.{op}_out.{layer}"] = x_out.clone()
+            self.keep(r, f"{op}_in.{layer}", x_in)
+            self.keep(r, f"{op}_out.{layer}", x_out)
         return outs
 
 
@@ -126,6 +132,13 @@ def qkv_shard(q, k, v, num_kv_heads: int, head_dim: int, rank: int, world: int) 
     """QKVParallelLinear: [q_r; k_r'; v_r']."""
     lo, hi = kv_head_range(num_kv_heads, rank, world)
     return torch.cat([column_shard(q, rank, world), k[lo * head_dim:hi * head_dim], v[lo * head_dim:hi * head_dim]])
+
+
+def column_parallel(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """One rank's column-parallel output: its slice of the output features, laid out as its weight shard
+    ([q_r; k_r'; v_r'], [gate_r; up_r]). Nothing is gathered: the next op works on the slice (its heads,
+    its intermediate channels) until a row-parallel layer sums the ranks' contributions."""
+    return x @ w.T
 
 
 def row_shard(w: torch.Tensor, rank: int, world: int) -> torch.Tensor:
@@ -238,7 +251,8 @@ class TPQwen3:
             p = f"model.layers.{i}."
             partials = []
             for j, (r, s, h) in enumerate(zip(ranks, S, hs)):
-                qkv = h @ s[p + "self_attn.qkv_proj.weight"].T
+                qkv = column_parallel(h, s[p + "self_attn.qkv_proj.weight"])
+                g.keep(r, f"column_out.{p}self_attn.qkv_proj", qkv)
                 q = qkv[:, :nq].reshape(n, self.heads_per_rank, hd)
                 k = qkv[:, nq:nq + nkv].reshape(n, self.kv_heads_per_rank, hd)
                 v = qkv[:, nq + nkv:].reshape(n, self.kv_heads_per_rank, hd)
@@ -253,7 +267,9 @@ class TPQwen3:
                            for x, y, s in zip(xs, reduced, S)))
             partials = []
             for r, s, h in zip(ranks, S, hs):
-                gate, up = (h @ s[p + "mlp.gate_up_proj.weight"].T).chunk(2, dim=-1)  # [gate_r | up_r]
+                gate_up = column_parallel(h, s[p + "mlp.gate_up_proj.weight"])
+                g.keep(r, f"column_out.{p}mlp.gate_up_proj", gate_up)
+                gate, up = gate_up.chunk(2, dim=-1)  # [gate_r | up_r]
                 partials.append(row_parallel(silu_and_mul(gate, up), s[p + "mlp.down_proj.weight"], None, r))
             reduced = g.all_reduce(partials, p + "mlp.down_proj")
             norm = f"model.layers.{i + 1}.input_layernorm.weight" if i + 1 < self.num_layers else "model.norm.weight"

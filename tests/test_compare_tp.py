@@ -21,6 +21,7 @@ from vllm_tour.trace.reader import load_run
 
 SCENARIO = "tp_single"
 LAYERS = ["model.embed_tokens"] + [f"model.layers.{i}.{m}" for i in range(2) for m in ("self_attn.o_proj", "mlp.down_proj")]
+COLUMNS = [f"model.layers.{i}.{m}" for i in range(2) for m in ("self_attn.qkv_proj", "mlp.gate_up_proj")]
 
 
 def test_probes_record_each_rank(upstream_run):
@@ -47,6 +48,11 @@ def test_probes_record_each_rank(upstream_run):
         assert step.collectives[0][1].sha256_in != step.collectives[1][1].sha256_in
         names = {(c.proc.rank, c.name) for c in step.captures}
         assert {(r, f"tp.all_reduce_in.{layer}") for r in (0, 1) for layer in LAYERS} <= names
+        # each rank's column-parallel outputs, not gathered: qkv [q 2 heads; k; v] = 256 of 384, gate_up 512 of 1024
+        shapes = {(c.proc.rank, c.name): c.shape for c in step.captures if c.name.startswith("tp.column_out.")}
+        tokens = step.collectives[0][0].shape_in[0]
+        assert shapes == {(r, f"tp.column_out.{layer}"): [tokens, 256 if layer.endswith("qkv_proj") else 512]
+                          for r in (0, 1) for layer in COLUMNS}
 
 
 def test_compare_tp_clean(compare_upstream):
@@ -57,6 +63,7 @@ def test_compare_tp_clean(compare_upstream):
         for layer in LAYERS:
             assert {f"rank{rank}/tp.all_reduce_in.{layer}", f"rank{rank}/tp.all_reduce_out.{layer}"} <= judged
         assert f"rank{rank}/tp.all_gather_out.logits" in judged
+        assert {f"rank{rank}/tp.column_out.{layer}" for layer in COLUMNS} <= judged
 
 
 def _first(r):
@@ -103,6 +110,42 @@ def test_partial_sum_off_on_one_rank(compare_upstream, monkeypatch):
     assert r.exit_code == 1 and bad[0].field == "rank1/tp.all_reduce_in.model.layers.0.mlp.down_proj"
     assert bad[0].message.startswith("rank 1, layer model.layers.0.mlp.down_proj, tensor all_reduce_in (partial sum")
     assert bad[0].step == 1
+
+
+def test_gate_up_output_laid_out_up_first(compare_upstream, monkeypatch):
+    """Rank 0 lays its gate_up output out as [up_r; gate_r] and swaps SiLU's operands to match: every sum
+    after it is bitwise the same, so only the column-parallel output itself can show the layout."""
+    column_parallel, silu_and_mul = tp.column_parallel, tp.silu_and_mul
+
+    def up_first(x, w):
+        y = column_parallel(x, w)
+        return torch.cat(y.chunk(2, dim=-1)[::-1], dim=-1) if w.shape[0] == 512 else y  # gate_up's shard is [512, 256]
+
+    monkeypatch.setattr(tp, "column_parallel", up_first)
+    monkeypatch.setattr(tp, "silu_and_mul", lambda gate, up: silu_and_mul(up, gate))
+    r = compare_upstream("reimpl.tp", SCENARIO)
+    bad = {d.field: d for d in r.divergences}
+    assert r.exit_code == 1 and set(bad) == {f"rank{k}/tp.column_out.model.layers.0.mlp.gate_up_proj" for k in (0, 1)}
+    d = bad["rank0/tp.column_out.model.layers.0.mlp.gate_up_proj"]
+    assert d.step == 1 and d.message.startswith(
+        "rank 0, layer model.layers.0.mlp.gate_up_proj, tensor column_out (column-parallel output shard), step 1: max |Δ|")
+    assert all(t.ok for t in r.tensors if ".column_out." not in t.name)  # the collectives cannot see it
+
+
+def test_column_output_under_another_name(compare_upstream, monkeypatch):
+    """A column output the reimpl records under the unfused name (q_proj): upstream's qkv_proj is missing on the
+    reimpl's side, the reimpl's q_proj on upstream's; both fail."""
+    keep = tp.SimulatedGroup.keep
+    monkeypatch.setattr(tp.SimulatedGroup, "keep", lambda self, rank, name, t: keep(self, rank, name.replace("qkv_proj", "q_proj"), t))
+    r = compare_upstream("reimpl.tp", SCENARIO)
+    failed = {(t.name, t.note.partition(":")[0]) for t in r.tensors if not t.ok and t.step == 1}
+    assert r.exit_code == 1 and failed == {
+        (f"rank{k}/tp.column_out.model.layers.{i}.self_attn.{p}", "missing") for k in (0, 1) for i in (0, 1)
+        for p in ("qkv_proj", "q_proj")}
+    d = next(d for d in r.divergences if d.field.startswith("rank1/"))
+    assert d.message == ("rank 1, layer model.layers.0.self_attn.qkv_proj, tensor column_out (column-parallel output "
+                         "shard), step 1: missing: the reimpl did not produce tp.column_out.model.layers.0.self_attn."
+                         "qkv_proj on rank 1")
 
 
 def test_bias_on_rank_zero_only():
@@ -160,7 +203,7 @@ def test_distributed_ranks_equal_the_simulation(tmp_path, backend):
     for rank in (0, 1):
         got = load_file(str(tmp_path / f"rank{rank}.safetensors"))
         want = {k: v for k, v in sim.group.recorded.items() if k.startswith(f"rank{rank}/")}
-        assert sorted(got) == sorted(want) and len(got) == 2 * (len(LAYERS) + 1)
+        assert sorted(got) == sorted(want) and len(got) == 2 * (len(LAYERS) + 1) + len(COLUMNS)
         for k in want:
             assert torch.equal(got[k], want[k]), k
 

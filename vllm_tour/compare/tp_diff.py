@@ -1,8 +1,10 @@
-"""Tensor-parallel diffs, per rank: weight shards (bitwise), every collective's input and output (tolerance),
-and upstream's own invariant that every rank leaves an all-reduce with the same tensor.
+"""Tensor-parallel diffs, per rank: weight shards (bitwise), every column-parallel layer's output shard and
+every collective's input and output (tolerance), and upstream's own invariant that every rank leaves an
+all-reduce with the same tensor.
 
-Upstream's side comes from probes/tp.py (TPShardsRecord, CollectiveRecord, captures tp.<op>_<in|out>.<layer>
-per rank); the reimpl's from reimpl/tp.py (model.shards per rank, group.recorded "rank<r>/tp....").
+Upstream's side comes from probes/tp.py (TPShardsRecord, CollectiveRecord, captures tp.column_out.<layer> and
+tp.<op>_<in|out>.<layer> per rank); the reimpl's from reimpl/tp.py (model.shards per rank, group.recorded
+"rank<r>/tp....").
 Every divergence names the rank, the layer, the tensor and the step (0: at load).
 """
 
@@ -76,10 +78,25 @@ def _rows(name: str, up_runner: dict | None, re_runner: dict | None):
         return None
 
 
+WHAT = {"column_out": "column-parallel output shard", "all_reduce_in": "partial sum into the all-reduce",
+        "all_reduce_out": "all-reduce result", "all_gather_in": "logits shard", "all_gather_out": "gathered logits",
+        "gather_in": "logits shard", "gather_out": "gathered logits"}
+
+
+def _divergence(key: str, rank: int, step: int, st: TensorStat, atol: float, rtol: float) -> Divergence:
+    op_side, _, layer = key.partition("/tp.")[2].partition(".")
+    what = f"rank {rank}, layer {layer}, tensor {op_side} ({WHAT.get(op_side, op_side)}), step {step}"
+    if st.max_abs == float("inf"):
+        return Divergence("tensor", step, key, None, None, message=f"{what}: {st.note}")
+    return Divergence("tensor", step, key, None, None,
+                      message=f"{what}: max |Δ| {st.max_abs:.3g} > atol {atol:g} + rtol {rtol:g}·|upstream| "
+                              f"({st.note or 'values differ'})")
+
+
 def diff_collectives(run, up_steps: dict, re_steps: dict, re_tensors: dict, atol: float, rtol: float
                      ) -> tuple[list[TensorStat], list[Divergence]]:
-    """Per step and rank, each captured collective tensor against the reimpl's; the first out of tolerance
-    per rank as a divergence too."""
+    """Per step and rank, each captured TP tensor (column outputs, collectives) against the reimpl's, and each
+    the reimpl recorded where upstream captured that rank's step; the first failure per rank as a divergence too."""
     import torch
 
     stats: list[TensorStat] = []
@@ -88,12 +105,14 @@ def diff_collectives(run, up_steps: dict, re_steps: dict, re_tensors: dict, atol
         mine_all = re_tensors.get(step.index)
         if mine_all is None:
             continue
+        seen: dict[int, set[str]] = {}  # rank -> the reimpl's keys upstream captured (or could not: a gather's out)
         for rec in step.captures:
             if not rec.name.startswith("tp."):
                 continue
             rank = rec.proc.rank
             # the reimpl all-gathers the logits; upstream gathers them to rank 0 where use_all_gather is false (CUDA)
             key = f"rank{rank}/{rec.name.replace('tp.gather_', 'tp.all_gather_')}"
+            seen.setdefault(rank, set()).add(key)
             mine = mine_all.get(key)
             if mine is None:
                 stats.append(TensorStat(key, step.index, rec.shape, float("inf"), float("inf"), atol, rtol, False,
@@ -103,22 +122,22 @@ def diff_collectives(run, up_steps: dict, re_steps: dict, re_tensors: dict, atol
                 if idx is not None and len(idx) == mine.shape[0]:
                     mine = mine[torch.tensor(idx, dtype=torch.long)]
                 up_t = load_capture(run.path, rec.model_dump())
-                # The logits are 256-term dot products with an LM head of gain 8: the summation order alone
-                # (upstream's packed GEMM vs torch's) moves them by ~1e-5 of their scale, so the absolute
-                # floor is scaled by the tensor's RMS where that exceeds 1 (unchanged for the all-reduces).
+                # The logits and column outputs are 256-term dot products (an LM head of gain 8): the summation
+                # order alone (upstream's packed GEMM vs torch's) moves them by ~1e-5 of their scale, so the
+                # absolute floor is scaled by the tensor's RMS where that exceeds 1.
                 scale = max(1.0, float(up_t.double().pow(2).mean().sqrt())) if up_t.numel() else 1.0
                 stats.append(tolerance.compare_tensor(key, step.index, up_t, mine, atol * scale, rtol,
                                                   note=f"atol scaled by the RMS {scale:.3g}" if scale > 1 else ""))
-            st = stats[-1]
-            if not st.ok and rank not in first_bad:
-                op_side, _, layer = rec.name[len("tp."):].partition(".")
-                what = {"all_reduce_in": "partial sum into the all-reduce", "all_reduce_out": "all-reduce result",
-                        "all_gather_in": "logits shard", "all_gather_out": "gathered logits",
-                        "gather_in": "logits shard", "gather_out": "gathered logits"}.get(op_side, op_side)
-                first_bad[rank] = Divergence(
-                    "tensor", step.index, key, None, None,
-                    message=f"rank {rank}, layer {layer}, tensor {op_side} ({what}), step {step.index}: "
-                            f"max |Δ| {st.max_abs:.3g} > atol {atol:g} + rtol {rtol:g}·|upstream| ({st.note or 'values differ'})")
+            if not stats[-1].ok and rank not in first_bad:
+                first_bad[rank] = _divergence(key, rank, step.index, stats[-1], atol, rtol)
+        for rank, keys in sorted(seen.items()):
+            # a gather (not all-gather) leaves nothing on the other ranks: upstream records no out there
+            keys |= {f"rank{rank}/tp.all_gather_out.{c.layer}" for c in step.collectives.get(rank, [])
+                     if c.op == "gather" and c.sha256_out is None}
+            for key in sorted(k for k in mine_all if k.startswith(f"rank{rank}/tp.") and k not in keys):
+                stats.append(TensorStat(key, step.index, list(mine_all[key].shape), float("inf"), float("inf"), atol,
+                                        rtol, False, f"missing: upstream captured no {key.partition('/')[2]} on rank {rank}"))
+                first_bad.setdefault(rank, _divergence(key, rank, step.index, stats[-1], atol, rtol))
     return stats, [first_bad[r] for r in sorted(first_bad)]
 
 

@@ -6,7 +6,10 @@
   sum, the embedding's masked lookup, the logits shard) and the one coming out (the sum, the gathered
   logits). The CPU SHM all-reduce sums *in place*, so the input is cloned before the call.
 With `--capture tp` the tensors go into the step's capture file as tp.<op>_in.<layer> / tp.<op>_out.<layer>
-and the shards into captures/weights.rank<r>.safetensors.
+and the shards into captures/weights.rank<r>.safetensors; so does, per step and column-parallel layer,
+the rank's un-gathered output shard as tp.column_out.<layer> (qkv_proj: [q_r; k_r'; v_r'], gate_up_proj:
+[gate_r; up_r]; the LM head is vocab parallel, no ColumnParallelLinear: its shard is the gather's input).
+No record of its own: no collective runs there, the capture is the whole story.
 
 A collective does not know which layer called it: the row-parallel layer's and the embedding's forward
 set `_layer` for the all-reduce inside them (upstream prefixes, e.g. model.layers.0.mlp.down_proj).
@@ -162,4 +165,20 @@ gather_logits = Probe(
     pins=PINS, after=_gather_after, role="worker",
 )
 
-PROBES = [weights_loaded, row_parallel, vocab_embedding, all_reduce, gather_logits]
+
+def _column_after(token, result, self, input_, *a, **kw):
+    if _world["size"] == 1 or self.gather_output:
+        return  # one rank, or the gathered whole: no rank's own shard to keep
+    out = result[0] if isinstance(result, tuple) else result  # (output, bias) unless return_bias=False
+    R.keep_capture(f"{CAPTURE}.column_out.{self.prefix}", out)
+
+
+column_parallel = Probe(
+    name="tp.column_parallel_forward",
+    target="vllm.model_executor.layers.linear.ColumnParallelLinear.forward",
+    params=("self", "input_"),
+    records="with --capture tp: this rank's column-parallel output shard (qkv_proj, gate_up_proj inherit the forward)",
+    pins=PINS, after=_column_after, role="worker", capture_only=True,
+)
+
+PROBES = [weights_loaded, column_parallel, row_parallel, vocab_embedding, all_reduce, gather_logits]

@@ -195,7 +195,7 @@ def step_detail(run: Run, step: Step) -> Group:
         parts.append(Text("captures: " + ", ".join(f"{c.name} {c.shape} → {c.file}" for c in caps)))
     tp_files = sorted({c.file for c in step.captures if c.name.startswith("tp.")})
     if tp_files:
-        parts.append(Text(f"collective tensors (tp.<op>_in/_out.<layer>) → {', '.join(tp_files)}"))
+        parts.append(Text(f"TP tensors (tp.column_out.<layer>, tp.<op>_in/_out.<layer>) → {', '.join(tp_files)}"))
     for e in step.errors:
         parts.append(Text(f"probe error in {e.probe} ({e.target}): {e.error}", style="bold red"))
     return Group(*parts)
