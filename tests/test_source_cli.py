@@ -9,6 +9,7 @@ import pytest
 
 from rich.console import Console
 
+from vllm_tour.paths import ANNOTATIONS_DIR
 from vllm_tour.source.annotations import all_notes, load_all
 from vllm_tour.source.commands import run_check
 from vllm_tour.source.pinned import tree_for_pin
@@ -93,29 +94,79 @@ def _check(pins: list[str], as_json: bool) -> tuple[int, str]:
 
 
 @pytest.mark.fetches_wheel  # runs in CI too: downloads vllm==0.21.0 once (cached), see pins/v0.21.0.toml
-def test_check_two_pins_reports_counts_orphans_and_drift():
-    n = len(all_notes(load_all()))
+def test_check_two_pins_reports_counts_orphans_unchecked_and_drift():
+    notes = all_notes(load_all())
+    n = len(notes)
     code, out = _check(["v0.32.0", "v0.21.0"], as_json=True)
     rep = {p["pin"]: p for p in json.loads(out)["pins"]}
     new, old = rep["v0.32.0"], rep["v0.21.0"]
     # the notes are written for v0.32.0: all resolve there, none can drift against itself
-    assert new["resolved"] == n and new["orphaned"] == 0 and new["drifted"] == 0
-    assert old["resolved"] + old["orphaned"] == n
-    assert code == (1 if old["orphaned"] else 0)
-    # 0.21.0 is an older engine: most of the request path exists, but not all of it
-    assert old["resolved"] > n // 2 and old["orphaned"] > 0 and 0 < old["drifted"] <= old["resolved"]
+    assert new["resolved"] == n and new["orphaned"] == 0 and new["drifted"] == 0 and new["unchecked"] == []
+    claimed = [x for x in notes if x.status_on("v0.21.0") in ("applies", "variant")]
+    assert old["resolved"] + old["orphaned"] == len(claimed)
+    assert old["resolved"] + old["orphaned"] + len(old["unchecked"]) + old["not_shown"] == n
+    assert code == (1 if old["orphaned"] or old["unchecked"] else 0)
+    assert 0 < old["drifted"]
     for o in old["orphans"]:
         assert o["problem"]
-    # the offline entrypoint moved into vllm.entrypoints.common.offline after 0.21.0
-    moved = next(o for o in old["orphans"] if o["id"] == "entry-run-engine-loop")
-    assert moved["nearest"][0] == "vllm.entrypoints.llm.LLM._run_engine"
-    # a drifted anchor names its lines on both pins
+    # a drifted anchor names its lines on both pins, and whether someone read the code there
     assert all(d["base"].startswith("vllm/") and d["here"].startswith("vllm/") for d in old["drift"])
+    assert all(d["reviewed"] == (d["id"] in {x.id for x in claimed}) for d in old["drift"])
 
     code2, table = _check(["v0.32.0", "v0.21.0"], as_json=False)
     assert code2 == code
-    assert re.search(rf"v0\.21\.0\s*│\s*{old['resolved']}\s*│\s*{old['orphaned']}\s*│\s*{old['drifted']}", table), table
-    assert "nearest: vllm.entrypoints.llm.LLM._run_engine" in table
+    assert re.search(rf"v0\.21\.0\s*│\s*{old['resolved']}\s*│\s*{old['orphaned']}\s*│\s*{len(old['unchecked'])}\s*│"
+                     rf"\s*{old['not_shown']}\s*│\s*{old['drifted']}", table), table
+
+
+@pytest.mark.fetches_wheel
+def test_per_pin_applicability_decides_what_is_shown_and_checked(tmp_path, monkeypatch):
+    """A note says where it was checked (`pins`), where it does not apply (`not_on`) and a pin's own text
+    (`variant`); unchecked on a pin whose code has it, it is shown with a caution and check fails."""
+    from vllm_tour.source import commands
+    from vllm_tour.source.annotations import on_pin
+
+    src = (ANNOTATIONS_DIR / "block_pool.toml").read_text(encoding="utf-8")
+    first = src.index("[[note]]")
+    head, body = src[:first], src[first:]
+    one = body.split("[[note]]")[1]  # pool-null-block: BlockPool.__init__ exists on both pins
+    assert 'id = "pool-null-block"' in one
+    variants = {
+        "unchecked": "",
+        "applies": 'pins = ["v0.32.0", "v0.21.0"]\n',
+        "not_on": 'not_on = ["v0.21.0"]\n',
+        "variant": '[note.variant."v0.21.0"]\nen = "Old text."\nzh = "旧文本。"\n',
+    }
+    got = {}
+    for kind, extra in variants.items():
+        d = tmp_path / kind
+        d.mkdir()
+        (d / "block_pool.toml").write_text(head + "[[note]]" + one.rstrip() + "\n" + extra, encoding="utf-8")
+        monkeypatch.setattr(commands, "load_all", lambda d=d: load_all(d))
+        code, out = _check(["v0.32.0", "v0.21.0"], as_json=True)
+        old = {p["pin"]: p for p in json.loads(out)["pins"]}["v0.21.0"]
+        shown = [x for s in on_pin(load_all(d), "v0.21.0") for x in s.notes]
+        got[kind] = (code, old["unchecked"], old["resolved"], [(x.en[:8], x.caution) for x in shown])
+    assert got["unchecked"] == (1, ["pool-null-block"], 0, [("Block 0 ", "v0.32.0")])
+    assert got["applies"] == (0, [], 1, [("Block 0 ", "")])
+    assert got["not_on"] == (0, [], 0, [])
+    assert got["variant"] == (0, [], 1, [("Old text", "")])
+    # the caution is what `source --pin` prints beside an unchecked note
+    from vllm_tour.source.annotations import caution_text
+
+    note = next(x for s in on_pin(load_all(tmp_path / "unchecked"), "v0.21.0") for x in s.notes)
+    assert caution_text(note, "en", "v0.21.0").startswith("checked on v0.32.0 only, not on this pin (v0.21.0)")
+
+
+def test_a_pin_listed_twice_is_an_error(tmp_path):
+    from vllm_tour.errors import TourError
+    from vllm_tour.source.annotations import load_file
+
+    src = (ANNOTATIONS_DIR / "block_pool.toml").read_text(encoding="utf-8")
+    bad = tmp_path / "block_pool.toml"
+    bad.write_text(src.replace('id = "pool-null-block"\n', 'id = "pool-null-block"\nnot_on = ["v0.32.0"]\n', 1), encoding="utf-8")
+    with pytest.raises(TourError, match="pool-null-block.*v0.32.0 listed twice"):
+        load_file(bad)
 
 
 def test_check_installed_pin_is_clean(cli):

@@ -87,6 +87,13 @@ def test_a_probe_that_raises_changes_nothing_and_is_recorded(trace_runs):
     assert run.errors and all(e.probe == "kv.allocate_slots" for e in run.errors)
     assert "forced fault" in run.errors[0].error and run.errors[0].step == 1
     assert run.steps[0].scheduler is not None  # the other probes kept recording
+    # the GPU runner's trace step fails such a run, naming the probe (it once reported "ok" over 28 errors)
+    from vllm_tour.gpu.runner import probe_errors
+
+    summary = probe_errors(faulty)
+    assert summary["status"] == "probe_errors" and summary["probe_errors"] == len(run.errors)
+    assert summary["first_probe_error"].startswith("kv.allocate_slots: RuntimeError: forced fault")
+    assert probe_errors(trace_runs.get("single")) == {}
 
 
 def test_multiprocess_engine_core_records_from_its_own_process(trace_runs):

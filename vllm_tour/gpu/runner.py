@@ -235,7 +235,7 @@ def cmd_trace(a) -> int:
                 sc.engine.attention_backend = a.attention_backend
             try:
                 run_upstream(sc, run_dir=run_dir, capture=capture)
-                results[name] = {"status": "ok", "probes": True, "capture": capture}
+                results[name] = {"status": "ok", "probes": True, "capture": capture, **probe_errors(run_dir)}
             except TourError as e:
                 if "probe" not in str(e):
                     raise
@@ -248,6 +248,17 @@ def cmd_trace(a) -> int:
         print(f"[trace] {name}: {json.dumps(results[name])[:400]}", flush=True)
         (Path(a.out) / "trace.json").write_text(json.dumps(results, indent=1))
     return 0 if all(r["status"] == "ok" for r in results.values()) else 1
+
+
+def probe_errors(run_dir: Path) -> dict:
+    """{} for a run whose probes recorded no error; else a failed status with how many and the first: a probe that
+    raised leaves its records out (the engine runs on), and compare refuses such a run."""
+    from ..trace.reader import load_run
+
+    errors = load_run(run_dir).errors
+    if not errors:
+        return {}
+    return {"status": "probe_errors", "probe_errors": len(errors), "first_probe_error": f"{errors[0].probe}: {errors[0].error}"[:300]}
 
 
 def max_abs_by_kind(tensors: list[dict]) -> dict[str, dict]:

@@ -14,6 +14,16 @@ a finer anchor — a piece of code text inside that symbol — never a line numb
     see = ["vllm.v1.core.kv_cache_manager.KVCacheManager.allocate_slots"]  # symbols or note ids
     en = "..."                                 # Markdown
     zh = "..."
+    pins = ["v0.32.0", "v0.21.0"]              # the pins this text was checked against, and holds on
+                                               # (default: the file's `pin`)
+    not_on = ["v0.21.0"]                       # the code is there, but the note does not apply: not shown
+    [note.variant."v0.21.0"]                   # this pin's own text (checked against that pin)
+    en = "..."
+    zh = "..."
+
+On a pin the note is not checked on (in none of pins, not_on, variant) it is still shown, with a caution
+that says so, and `annotations check` reports it: a note is a claim, and a claim about other code is
+checked before it teaches.
 """
 
 from __future__ import annotations
@@ -32,6 +42,13 @@ LANGS = ("en", "zh")
 PROBE_KINDS = ("scheduler", "kv", "runner", "attention", "tp_shards", "collective", "moe")
 
 
+class Variant(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    en: str
+    zh: str
+
+
 class Note(BaseModel):
     model_config = ConfigDict(extra="forbid")  # a misspelt key (`anchr`) would silently widen the note
 
@@ -44,7 +61,11 @@ class Note(BaseModel):
     probes: list[str] = []
     concepts: list[str] = []
     see: list[str] = []
+    pins: list[str] = []  # checked against (and true on) these pins; filled with the file's pin when empty
+    not_on: list[str] = []
+    variant: dict[str, Variant] = {}
     subsystem: str = ""  # filled from the file
+    caution: str = ""  # set by on_pin: shown on a pin it was not checked against
 
     @field_validator("id")
     @classmethod
@@ -75,6 +96,14 @@ class Note(BaseModel):
         if bad:
             raise ValueError(f"unknown concept {bad}; known: {', '.join(CONCEPTS)}")
         return v
+
+    def status_on(self, pin: str) -> str:
+        """applies | variant | not_applicable | unchecked: what this note is on `pin`."""
+        if pin in self.variant:
+            return "variant"
+        if pin in self.pins:
+            return "applies"
+        return "not_applicable" if pin in self.not_on else "unchecked"
 
     @property
     def nth(self) -> int:
@@ -126,6 +155,15 @@ def load_file(path: Path) -> Subsystem:
     sub.name = path.stem
     for n in sub.notes:
         n.subsystem = sub.name
+        n.pins = n.pins or [sub.pin]
+        both = (set(n.pins) | set(n.variant)) & set(n.not_on)
+        if both or set(n.pins) & set(n.variant):
+            raise TourError(f"invalid annotation file {path}: note {n.id!r}: pin(s) {', '.join(sorted(both or set(n.pins) & set(n.variant)))} "
+                            "listed twice among pins, variant and not_on (each pin is one of them)")
+        for v in n.variant.values():
+            v.en, v.zh = v.en.strip(), v.zh.strip()
+            if not v.en or not v.zh:
+                raise TourError(f"invalid annotation file {path}: note {n.id!r}: empty variant text")
     return sub
 
 
@@ -148,3 +186,30 @@ def all_notes(subs: list[Subsystem]) -> list[Note]:
 
 def notes_for(subs: list[Subsystem], qualname: str) -> list[Note]:
     return [n for n in all_notes(subs) if n.symbol == qualname]
+
+
+CAUTION = {"en": "checked on {pins} only, not on this pin ({pin}): the code here may behave otherwise",
+           "zh": "仅在 {pins} 上核对过，未在此 pin（{pin}）上核对：这里的代码可能有不同的行为"}
+
+
+def caution_text(note: Note, lang: str, pin: str) -> str:
+    return CAUTION[lang].format(pins=note.caution, pin=pin) if note.caution else ""
+
+
+def on_pin(subs: list[Subsystem], pin: str) -> list[Subsystem]:
+    """The subsystems as shown on `pin`: a note's variant text for that pin in place of its own, notes that do not
+    apply there left out, and the ones not checked against it carrying a caution."""
+    out = []
+    for sub in subs:
+        notes = []
+        for n in sub.notes:
+            status = n.status_on(pin)
+            if status == "not_applicable":
+                continue
+            if status == "variant":
+                n = n.model_copy(update={"en": n.variant[pin].en, "zh": n.variant[pin].zh})
+            elif status == "unchecked":
+                n = n.model_copy(update={"caution": ", ".join(n.pins + list(n.variant))})
+            notes.append(n)
+        out.append(sub.model_copy(update={"notes": notes}))
+    return out

@@ -1,9 +1,14 @@
 """`vllm-tour annotations check`: do the notes still hold on each pin?
 
-Per pin: every note resolved or orphaned (orphans name the nearest candidate).
-Between the first pin and each other one: drifted notes — resolved on both,
-but the anchored code differs once whitespace is ignored — so an author knows
-which notes to re-read.
+Per pin, each note is what its `pins` / `variant` / `not_on` say it is there (annotations.Note.status_on):
+- claimed (checked against the pin, own text or a variant): it must resolve, else it is orphaned
+  (orphans name the nearest candidate);
+- unchecked (the pin is in none of those lists) but its code resolves: it would be shown on a pin nobody
+  checked it against, a problem like an orphan;
+- unchecked and not resolving, or marked not_on: not shown there, fine.
+Between the first pin and each other one: drifted notes — resolved on both, but the anchored code differs
+once whitespace is ignored; a drift is reviewed when the note is claimed on the other pin (someone read
+that code), else it is one more reason to check the note there.
 """
 
 from __future__ import annotations
@@ -18,15 +23,28 @@ from .resolve import NotFound, SourceTree, Symbol, normalize
 @dataclass
 class PinReport:
     pin: str
-    placements: list[Placement]
+    placements: list[Placement]  # every note's, claimed here or not
+
+    def _claimed(self, p: Placement) -> bool:
+        return p.note.status_on(self.pin) in ("applies", "variant")
 
     @property
     def resolved(self) -> list[Placement]:
-        return [p for p in self.placements if p.ok]
+        return [p for p in self.placements if p.ok and self._claimed(p)]
 
     @property
     def orphaned(self) -> list[Placement]:
-        return [p for p in self.placements if not p.ok]
+        return [p for p in self.placements if not p.ok and self._claimed(p)]
+
+    @property
+    def unchecked(self) -> list[Placement]:
+        """Shown on this pin (the code resolves) but never checked against it."""
+        return [p for p in self.placements if p.ok and p.note.status_on(self.pin) == "unchecked"]
+
+    @property
+    def not_shown(self) -> list[Placement]:
+        """Marked not_on this pin, or unchecked and absent from its code."""
+        return [p for p in self.placements if not self._claimed(p) and not (p.ok and p.note.status_on(self.pin) == "unchecked")]
 
     @property
     def ambiguous(self) -> list[Placement]:
@@ -52,6 +70,11 @@ class CheckReport:
     def orphan_count(self) -> int:
         return sum(len(r.orphaned) for r in self.pins)
 
+    @property
+    def problem_count(self) -> int:
+        """Orphaned notes and notes shown on a pin they were not checked against."""
+        return sum(len(r.orphaned) + len(r.unchecked) for r in self.pins)
+
     def to_json(self) -> dict:
         return {
             "pins": [
@@ -59,6 +82,8 @@ class CheckReport:
                     "pin": r.pin,
                     "resolved": len(r.resolved),
                     "orphaned": len(r.orphaned),
+                    "unchecked": [p.note.id for p in r.unchecked],
+                    "not_shown": len(r.not_shown),
                     "drifted": len(self.drift.get(r.pin, [])),
                     "orphans": [
                         {"id": p.note.id, "symbol": p.note.symbol, "anchor": p.note.anchor,
@@ -66,7 +91,9 @@ class CheckReport:
                         for p in r.orphaned
                     ],
                     "drift": [{"id": d.note.id, "symbol": d.note.symbol, "anchor": d.note.anchor,
-                               "base": d.base_lines, "here": d.other_lines} for d in self.drift.get(r.pin, [])],
+                               "base": d.base_lines, "here": d.other_lines,
+                               "reviewed": d.note.status_on(r.pin) in ("applies", "variant")}
+                              for d in self.drift.get(r.pin, [])],
                 }
                 for r in self.pins
             ]

@@ -11,7 +11,7 @@ from rich.table import Table
 
 from .. import pins
 from ..errors import TourError
-from .annotations import LANGS, all_notes, load_all, notes_for
+from .annotations import LANGS, all_notes, load_all, notes_for, on_pin
 from .check import check
 from .pinned import tree_for_pin
 
@@ -29,27 +29,31 @@ def show_source(console: Console, qualname: str, lang: str, pin: str | None) -> 
     tag = pin or pins.active_pin_tag()
     tree = tree_for_pin(tag, _status)
     symbol = tree.resolve(qualname)  # NotFound is a TourError: one line with close names
-    render(console, tree, symbol, notes_for(load_all(), qualname), lang, tag)
+    render(console, tree, symbol, notes_for(on_pin(load_all(), tag), qualname), lang, tag)
 
 
 def run_check(console: Console, pin_tags: list[str], as_json: bool) -> int:
-    """Exit code: 0 all notes resolve on every pin, 1 some are orphaned."""
+    """Exit code: 0 every note resolves on each pin it is checked against and no note is shown on a pin it was
+    not checked against; 1 otherwise."""
     tags = list(dict.fromkeys(pin_tags or [pins.active_pin_tag()]))
     notes = all_notes(load_all())
     trees = {t: tree_for_pin(t, _status) for t in tags}
     rep = check(trees, notes)
     if as_json:
         print(json.dumps(rep.to_json(), indent=2, ensure_ascii=False))
-        return 1 if rep.orphan_count else 0
+        return 1 if rep.problem_count else 0
 
     table = Table(title=f"annotations check — {len(notes)} notes")
-    for col in ("pin", "resolved", "orphaned", "drifted", "ambiguous"):
+    for col in ("pin", "resolved", "orphaned", "unchecked", "not shown", "drifted", "ambiguous"):
         table.add_column(col, justify="right" if col != "pin" else "left")
     for r in rep.pins:
         d = rep.drift.get(r.pin)
         table.add_row(r.pin, str(len(r.resolved)), f"[red]{len(r.orphaned)}[/]" if r.orphaned else "0",
+                      f"[red]{len(r.unchecked)}[/]" if r.unchecked else "0", str(len(r.not_shown)),
                       "—" if d is None else str(len(d)), str(len(r.ambiguous)))
     console.print(table)
+    console.print("[dim]resolved/orphaned: notes checked against the pin (`pins`, `variant`); unchecked: shown there "
+                  "(the code resolves) but checked against other pins only; not shown: `not_on`, or absent there[/]")
     if len(tags) > 1:
         console.print(f"[dim]drifted: resolves on both pins but the anchored code differs from pin {tags[0]}[/]")
     for r in rep.pins:
@@ -58,15 +62,20 @@ def run_check(console: Console, pin_tags: list[str], as_json: bool) -> int:
             anchor = f" @ `{p.note.anchor}`" if p.note.anchor else ""
             console.print(f"[red]orphan[/] {r.pin} {p.note.id}: {p.note.symbol}{anchor} — {p.problem}{near}",
                           soft_wrap=True)
+        for p in r.unchecked:
+            console.print(f"[red]unchecked[/] {r.pin} {p.note.id}: shown on {r.pin} but checked on "
+                          f"{', '.join(p.note.pins)} only — read its code there, then add the pin to `pins`, give a "
+                          f"`variant.\"{r.pin}\"` text, or mark it `not_on`", soft_wrap=True)
         for p in r.ambiguous:
             console.print(f"[yellow]ambiguous[/] {r.pin} {p.note.id}: anchor matches {p.matches} statements; "
                           f"the first is used (set `occurrence` to choose)", soft_wrap=True)
     for other, drifts in rep.drift.items():
         for d in drifts:
             anchor = f" @ `{d.note.anchor}`" if d.note.anchor else " (whole symbol)"
-            console.print(f"[yellow]drift[/] {d.base}→{other} {d.note.id}: {d.note.symbol}{anchor}  "
+            seen = "reviewed" if d.note.status_on(other) in ("applies", "variant") else "not reviewed"
+            console.print(f"[yellow]drift[/] {d.base}→{other} {d.note.id} ({seen}): {d.note.symbol}{anchor}  "
                           f"{d.base_lines} → {d.other_lines}", soft_wrap=True)
-    return 1 if rep.orphan_count else 0
+    return 1 if rep.problem_count else 0
 
 
 def build_site(console: Console, out: Path, pin: str | None) -> Path:
@@ -74,6 +83,6 @@ def build_site(console: Console, out: Path, pin: str | None) -> Path:
 
     tag = pin or pins.active_pin_tag()
     tree = tree_for_pin(tag, _status)
-    index = write_site(out, tree, load_all(), tag)
+    index = write_site(out, tree, on_pin(load_all(), tag), tag)
     console.print(f"site for pin {tag}: {index}")
     return index

@@ -18,7 +18,7 @@ from pygments import highlight
 from pygments.formatters import HtmlFormatter
 from pygments.lexers import PythonLexer
 
-from .annotations import LANGS, Subsystem, all_notes
+from .annotations import LANGS, Subsystem, all_notes, caution_text
 from .concepts import CONCEPTS
 from .locate import Placement, locate
 from .resolve import NotFound, SourceTree
@@ -70,6 +70,7 @@ table.concepts { border-collapse: collapse; width:100%; }
 table.concepts td, table.concepts th { border-bottom:1px solid var(--line); padding:.4rem .5rem; text-align:left; vertical-align:top; }
 table.concepts tr:target { background: var(--hl); }
 .muted { color: var(--muted); }
+.caution { color: #8a5a00; background: #fff6df; padding: .2rem .4rem; border-radius: 4px; margin: .2rem 0; }
 """
 
 _JS = """
@@ -155,7 +156,7 @@ class _Links:
         return f'<a class="internal" href="{_e(h)}" title="{_e(target)}">{label}</a>' if h else f"<code>{_e(target)}</code>"
 
 
-def _note_card(i: int, p: Placement, links: _Links) -> str:
+def _note_card(i: int, p: Placement, links: _Links, pin: str) -> str:
     n = p.note
     where = f"L{p.span.start}–{p.span.end}" if p.ok and n.anchor else _ui("whole")
     head = f"[{i}] {_e(n.id)} · {where}"
@@ -169,6 +170,8 @@ def _note_card(i: int, p: Placement, links: _Links) -> str:
     if n.see:
         tags.append(_ui("see") + ": " + " ".join(links.link(t, "../") for t in n.see))
     orphan = f'<div class="muted">⚠ {_ui("orphan")}: {_e(p.problem)}</div>' if not p.ok else ""
+    if n.caution:
+        orphan += '<div class="caution">⚠ ' + _both({lang: caution_text(n, lang, pin) for lang in LANGS}) + "</div>"
     return (f'<div class="note{" orphan" if not p.ok else ""}" id="note-{_e(n.id)}"><div class="head">{head}</div>'
             f'{orphan}{_both({"en": n.en, "zh": n.zh}, "div", md=True, cls="body")}'
             f'<div class="tags">{" · ".join(tags)}</div></div>')
@@ -190,7 +193,7 @@ def symbol_page(tree: SourceTree, qualname: str, sub: Subsystem, pin: str, links
     try:
         symbol = tree.resolve(qualname)
     except NotFound as e:
-        cards = "".join(_note_card(i, Placement(n, None, None, problem=e.why), links) for i, n in enumerate(notes, 1))
+        cards = "".join(_note_card(i, Placement(n, None, None, problem=e.why), links, pin) for i, n in enumerate(notes, 1))
         return _page(qualname, f'<a class="internal" href="../index.html">{_ui("back")}</a><h1>{_e(qualname)}</h1>',
                      f'<div class="notes">{cards}</div>', "../")
     places = [locate(n, tree, symbol) for n in notes]
@@ -208,7 +211,7 @@ def symbol_page(tree: SourceTree, qualname: str, sub: Subsystem, pin: str, links
         if s == symbol.span.start:
             cards = top + cards
         code = "".join(lines[s - symbol.span.start : e - symbol.span.start + 1])
-        notes_html = "".join(_note_card(i, p, links) for i, p in cards)
+        notes_html = "".join(_note_card(i, p, links, pin) for i, p in cards)
         rows.append(f'<div class="row{"" if cards else " plain"}"><pre class="code">{code}</pre>'
                     f'<div class="notes">{notes_html}</div></div>')
     rel = symbol.path.relative_to(tree.root.parent).as_posix()

@@ -15,7 +15,7 @@ from rich.panel import Panel
 from rich.syntax import Syntax
 from rich.text import Text
 
-from .annotations import Note
+from .annotations import Note, caution_text
 from .locate import Placement, locate
 from .resolve import SourceTree, Symbol
 
@@ -26,7 +26,7 @@ def placements(notes: list[Note], tree: SourceTree, symbol: Symbol) -> list[Plac
     return [locate(n, tree, symbol) for n in notes]
 
 
-def _note_panel(i: int, p: Placement, lang: str) -> Panel:
+def _note_panel(i: int, p: Placement, lang: str, pin: str) -> Panel:
     word, orphan, _ = _LABEL[lang]
     body = [Markdown(p.note.text(lang))]
     tags = []
@@ -38,6 +38,8 @@ def _note_panel(i: int, p: Placement, lang: str) -> Panel:
         tags.append("see: " + ", ".join(p.note.see))
     if tags:
         body.append(Text("  ·  ".join(tags), style="dim"))
+    if p.note.caution:
+        body.insert(0, Text("⚠ " + caution_text(p.note, lang, pin), style="yellow"))
     if not p.ok:
         body.insert(0, Text(f"{orphan}: {p.problem}", style="bold red"))
     title = f"[{i}] {word} · {p.note.id}"
@@ -53,7 +55,7 @@ def render(console: Console, tree: SourceTree, symbol: Symbol, notes: list[Note]
     top = [(i, p) for i, p in numbered if p.note.anchor is None or not p.ok]
     inline = [(i, p) for i, p in numbered if p.note.anchor is not None and p.ok]
     for i, p in top:
-        console.print(_note_panel(i, p, lang))
+        console.print(_note_panel(i, p, lang, pin))
 
     code = symbol.code
     syntax = Syntax(code, "python", theme="monokai", background_color="default")
@@ -70,4 +72,4 @@ def render(console: Console, tree: SourceTree, symbol: Symbol, notes: list[Note]
         gutter.append(" ")
         console.print(Text.assemble(gutter, line), no_wrap=True, overflow="ellipsis", crop=True)
         for i, p in after.get(ln, []):
-            console.print(Padding(_note_panel(i, p, lang), (0, 0, 0, width + 3)))
+            console.print(Padding(_note_panel(i, p, lang, pin), (0, 0, 0, width + 3)))
