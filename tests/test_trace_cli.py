@@ -162,3 +162,22 @@ def test_help_shows_flags_without_a_value_type_and_keeps_bracketed_words(cli):
     assert len(flags) == 4 and not any("<bool>" in line for line in flags), flags
     repro_help = cli("repro", "--help").stdout
     assert "Expectations ([expect]):" in repro_help and "with an [expect] section" in repro_help
+
+
+def test_show_names_the_notes_behind_each_event(cli):
+    """A preemption, a prefix hit, an eviction in the trace lead to the notes on the code that made them, read on
+    the run's pin (the golden preemption run: recorded live, its events are real)."""
+    from vllm_tour.source.annotations import all_notes, load_all
+
+    run = load_run(GOLDEN_DIR / "preemption")
+    step = next(s for s in run.steps if s.scheduler and s.scheduler.preempted)
+    res = cli("show", "preemption", "--step", str(step.index))
+    assert res.returncode == 0, res.stderr
+    out = " ".join(res.stdout.split())  # rich wraps at the terminal's width
+    line = out.split("Preemption and recompute → notes:")[1]
+    preempt_notes = [n.id for n in all_notes(load_all()) if "preemption" in n.concepts]
+    assert preempt_notes and preempt_notes[0] in line
+    quiet = next(s for s in run.steps if s.scheduler and not s.scheduler.preempted and not (s.kv and (s.kv.prefix_hits or s.kv.evicted))
+                 and all(r.kind != "new" and not r.is_prefill for r in s.scheduler.scheduled))
+    res = cli("show", "preemption", "--step", str(quiet.index))
+    assert res.returncode == 0 and "→ notes:" not in res.stdout  # a plain decode step shows no event, so no note

@@ -9,6 +9,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..errors import TourError
+from .event_notes import notes_line, step_concepts
 from .experts import expert_view, moe_detail
 from .reader import Run, Step
 
@@ -198,6 +199,9 @@ def step_detail(run: Run, step: Step) -> Group:
         parts.append(Text(f"TP tensors (tp.column_out.<layer>, tp.<op>_in/_out.<layer>) → {', '.join(tp_files)}"))
     for e in step.errors:
         parts.append(Text(f"probe error in {e.probe} ({e.target}): {e.error}", style="bold red"))
+    lines = [line for c in step_concepts(step) if (line := notes_line(c, run.meta.pin))]
+    if lines:
+        parts.append(Text("read the code (vllm-tour source QUALNAME, or the site):\n  " + "\n  ".join(lines), style="dim"))
     return Group(*parts)
 
 
@@ -291,6 +295,10 @@ def show(run: Run, console: Console, step: int | None = None, request: str | Non
         console.print(request_view(run, request))
     else:
         console.print(step_table(run))
+        seen = list(dict.fromkeys(c for s in run.steps for c in step_concepts(s)))
+        lines = [line for c in seen if (line := notes_line(c, run.meta.pin))]
+        if lines:
+            console.print(Text("events in this run, and the notes on the code that makes them:\n  " + "\n  ".join(lines), style="dim"))
         if run.tp_shards:
             console.print(tp_summary(run))
         if run.steps:

@@ -1,0 +1,59 @@
+"""Which notes explain a trace event: `show` prints them beside preemptions, prefix hits, evictions,
+chunked prefills and admissions, so a learner goes from what happened to the code that did it.
+
+The link is the notes' own `concepts` tags (source/concepts.py), read on the run's pin: a note hidden there
+(`not_on`) is not offered, one not checked there is offered with a mark.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from .reader import Step
+
+MAX_NOTES = 3  # per event: the first notes along the journey; `vllm-tour source` shows the rest beside the code
+
+
+@lru_cache(maxsize=4)
+def notes_by_concept(pin: str) -> dict[str, list[tuple[str, str, bool]]]:
+    """concept -> [(note id, its symbol, checked on this pin)] in journey order."""
+    from ..source.annotations import load_all, on_pin
+
+    out: dict[str, list[tuple[str, str, bool]]] = {}
+    for sub in on_pin(load_all(), pin):
+        for n in sub.notes:
+            for c in n.concepts:
+                out.setdefault(c, []).append((n.id, n.symbol, not n.caution))
+    return out
+
+
+def step_concepts(step: Step) -> list[str]:
+    """The concepts this step shows, in the order `show` lists its events."""
+    found = []
+    s = step.scheduler
+    if s:
+        if any(r.kind == "new" for r in s.scheduled):
+            found.append("admission")
+        if any(r.is_prefill and r.num_computed_tokens + r.num_scheduled_tokens < r.num_prompt_tokens for r in s.scheduled):
+            found.append("chunked-prefill")
+        if s.preempted:
+            found.append("preemption")
+    if step.kv:
+        if step.kv.prefix_hits:
+            found.append("prefix-hit")
+        if step.kv.evicted:
+            found.append("eviction")
+    return found
+
+
+def notes_line(concept: str, pin: str) -> str | None:
+    """"preemption → sched-preempt (Scheduler._preempt_request), ..." or None when no note explains it."""
+    from ..source.concepts import CONCEPTS
+
+    notes = notes_by_concept(pin).get(concept, [])
+    if not notes:
+        return None
+    shown = [f"{nid} ({'.'.join(sym.split('.')[-2:])}){'' if checked else ' [not checked on ' + pin + ']'}"
+             for nid, sym, checked in notes[:MAX_NOTES]]
+    more = f" +{len(notes) - MAX_NOTES} more" if len(notes) > MAX_NOTES else ""
+    return f"{CONCEPTS[concept][1]} → notes: {', '.join(shown)}{more}"
