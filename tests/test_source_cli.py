@@ -187,3 +187,60 @@ def test_an_unknown_key_in_an_annotation_file_is_an_error_naming_file_note_and_k
     with pytest.raises(TourError, match="unknown key 'anchr'") as e:
         load_file(bad)
     assert str(bad) in str(e.value) and "note '" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_accepted_notes_go_stale_when_their_code_changes(tmp_path, monkeypatch):
+    """--accept records the digests of a note's anchor and `depends`; a digest that no longer matches (the pin's
+    code changed since) makes the note stale, naming the piece; a `depends` name missing on the pin is an error."""
+    from vllm_tour.source import checked, commands
+
+    monkeypatch.setattr(checked, "CHECKED_FILE", tmp_path / "checked.json")
+    src = (ANNOTATIONS_DIR / "block_pool.toml").read_text(encoding="utf-8")
+    d = tmp_path / "ann"
+    d.mkdir()
+    free = "vllm.v1.core.block_pool.BlockPool.free_blocks"
+    (d / "block_pool.toml").write_text(src.replace('id = "pool-free-queue"\n', f'id = "pool-free-queue"\ndepends = ["{free}"]\n', 1),
+                                       encoding="utf-8")
+    monkeypatch.setattr(commands, "load_all", lambda: load_all(d))
+    n = len(all_notes(load_all(d)))
+
+    def report():
+        code, out = _check(["v0.32.0"], as_json=True)
+        return code, json.loads(out)["pins"][0]
+
+    code, rep = report()
+    assert code == 1 and len(rep["unrecorded"]) == n  # nobody accepted anything yet
+    buf = io.StringIO()
+    assert commands.run_check(Console(file=buf, width=200), ["v0.32.0"], False, accept_all=True) == 0
+    stored = json.loads((tmp_path / "checked.json").read_text())
+    assert set(stored["pool-free-queue"]["v0.32.0"]) == {"anchor", free}
+    code, rep = report()
+    assert code == 0 and rep["unrecorded"] == [] and rep["stale"] == {}
+    stored["pool-free-queue"]["v0.32.0"][free] = "0" * 16  # as if free_blocks read otherwise when it was accepted
+    stored["pool-null-block"]["v0.32.0"]["anchor"] = "0" * 16
+    (tmp_path / "checked.json").write_text(json.dumps(stored))
+    code, rep = report()
+    assert code == 1 and rep["stale"] == {"pool-free-queue": [free], "pool-null-block": ["anchor"]}
+    code, table = _check(["v0.32.0"], as_json=False)
+    assert f"stale v0.32.0 pool-free-queue: the code it rests on changed since it was accepted ({free})" in " ".join(table.split())
+    with pytest.raises(Exception, match="--accept: no note 'nope'"):
+        commands.run_check(Console(file=io.StringIO()), ["v0.32.0"], False, accept=["nope"])
+    (d / "block_pool.toml").write_text(src.replace('id = "pool-free-queue"\n', 'id = "pool-free-queue"\ndepends = ["vllm.v1.core.block_pool.BlockPool.gone"]\n', 1),
+                                       encoding="utf-8")
+    code, rep = report()
+    assert code == 1 and rep["missing_depends"] == {"pool-free-queue": ["vllm.v1.core.block_pool.BlockPool.gone"]}
+
+
+@pytest.mark.fetches_wheel
+def test_diff_prints_the_drifted_code_between_pins():
+    code, out = _check(["v0.32.0", "v0.21.0"], as_json=True)
+    drifted = json.loads(out)["pins"][1]["drift"]
+    assert drifted
+    buf = io.StringIO()
+    console = Console(file=buf, width=200, color_system=None)
+    with contextlib.redirect_stdout(buf):
+        run_check(console, ["v0.32.0", "v0.21.0"], False, show_diff=True)
+    text = buf.getvalue()
+    first = drifted[0]
+    assert f"--- v0.32.0 {first['base']}" in text and f"+++ v0.21.0 {first['here']}" in text
+    assert re.search(r"^\s*[-+][^-+]", text, re.M)  # changed lines, not only the ranges

@@ -129,11 +129,17 @@ def source(
 def annotations_check(
     pin: list[str] = typer.Option([], "--pin", help="Pin tag; repeat to check several (drift is against the first)."),
     as_json: bool = flag("--json", help="Machine-readable report on stdout."),
+    diff: bool = flag("--diff", help="Print each drifted note's anchored code as a diff between the pins."),
+    accept: list[str] = typer.Option([], "--accept", metavar="NOTE_ID", help="You read this note's code on the given pins "
+                                     "and it holds: record the digests of that code (annotations/checked.json). Repeatable."),
+    accept_all: bool = flag("--accept-all", help="--accept every note (after reviewing them all)."),
 ):
-    """Check every note resolves on each pin; report orphans (exit 1) and drift between pins."""
+    """Check every note on each pin: it resolves where it is claimed (`pins`, `variant`), is not shown where nobody
+    checked it, and rests on the code it was accepted against (its anchor and `depends`). Exit 1 on any of these;
+    drift between pins is listed (with --diff, as code)."""
     from .source.commands import run_check
 
-    raise typer.Exit(run_check(console, pin, as_json))
+    raise typer.Exit(run_check(console, pin, as_json, diff, accept, accept_all))
 
 
 @app.command()

@@ -12,6 +12,8 @@ a finer anchor — a piece of code text inside that symbol — never a line numb
     probes = ["scheduler", "kv"]               # trace record kinds that show this code at work
     concepts = ["preemption"]                  # trace concepts that link here (see concepts.py)
     see = ["vllm.v1.core.kv_cache_manager.KVCacheManager.allocate_slots"]  # symbols or note ids
+    depends = ["vllm.v1.core.block_pool.BlockPool.free_blocks"]  # code the claim rests on beyond the anchor
+                                               # (checked.py: its digests are kept; a change flags the note)
     en = "..."                                 # Markdown
     zh = "..."
     pins = ["v0.32.0", "v0.21.0"]              # the pins this text was checked against, and holds on
@@ -61,6 +63,7 @@ class Note(BaseModel):
     probes: list[str] = []
     concepts: list[str] = []
     see: list[str] = []
+    depends: list[str] = []  # qualified names of other code the claim rests on (source/checked.py)
     pins: list[str] = []  # checked against (and true on) these pins; filled with the file's pin when empty
     not_on: list[str] = []
     variant: dict[str, Variant] = {}

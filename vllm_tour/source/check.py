@@ -13,8 +13,10 @@ that code), else it is one more reason to check the note there.
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field
 
+from . import checked as checked_code
 from .annotations import Note
 from .locate import Placement, locate
 from .resolve import NotFound, SourceTree, Symbol, normalize
@@ -24,6 +26,11 @@ from .resolve import NotFound, SourceTree, Symbol, normalize
 class PinReport:
     pin: str
     placements: list[Placement]  # every note's, claimed here or not
+    # claimed and resolved notes against checked.json: note id -> the pieces changed since accepted
+    stale: dict[str, list[str]] = field(default_factory=dict)
+    unrecorded: list[str] = field(default_factory=list)  # never accepted on this pin
+    missing_depends: dict[str, list[str]] = field(default_factory=dict)  # `depends` names not found here
+    digests: dict[str, dict[str, str]] = field(default_factory=dict)  # note id -> its code's digests now
 
     def _claimed(self, p: Placement) -> bool:
         return p.note.status_on(self.pin) in ("applies", "variant")
@@ -59,6 +66,13 @@ class Drift:
     other: str
     base_lines: str  # "path:start-end" on each pin
     other_lines: str
+    base_text: str = ""
+    other_text: str = ""
+
+    def diff(self) -> str:
+        """The anchored code, base pin -> other pin, as a unified diff."""
+        return "".join(difflib.unified_diff(self.base_text.splitlines(keepends=True), self.other_text.splitlines(keepends=True),
+                                            f"{self.base} {self.base_lines}", f"{self.other} {self.other_lines}"))
 
 
 @dataclass
@@ -72,8 +86,10 @@ class CheckReport:
 
     @property
     def problem_count(self) -> int:
-        """Orphaned notes and notes shown on a pin they were not checked against."""
-        return sum(len(r.orphaned) + len(r.unchecked) for r in self.pins)
+        """Orphaned notes, notes shown on a pin they were not checked against, notes whose code changed since
+        they were accepted (or never were), and `depends` names that do not resolve."""
+        return sum(len(r.orphaned) + len(r.unchecked) + len(r.stale) + len(r.unrecorded) + len(r.missing_depends)
+                   for r in self.pins)
 
     def to_json(self) -> dict:
         return {
@@ -84,6 +100,9 @@ class CheckReport:
                     "orphaned": len(r.orphaned),
                     "unchecked": [p.note.id for p in r.unchecked],
                     "not_shown": len(r.not_shown),
+                    "stale": r.stale,
+                    "unrecorded": r.unrecorded,
+                    "missing_depends": r.missing_depends,
                     "drifted": len(self.drift.get(r.pin, [])),
                     "orphans": [
                         {"id": p.note.id, "symbol": p.note.symbol, "anchor": p.note.anchor,
@@ -125,12 +144,28 @@ def drift(base: PinReport, base_tree: SourceTree, other: PinReport, other_tree: 
     out = []
     for a, b in zip(base.placements, other.placements):
         if a.ok and b.ok and normalize(a.text) != normalize(b.text):
-            out.append(Drift(a.note, base.pin, other.pin, _where(a, base_tree), _where(b, other_tree)))
+            out.append(Drift(a.note, base.pin, other.pin, _where(a, base_tree), _where(b, other_tree), a.text, b.text))
     return out
 
 
-def check(trees: dict[str, SourceTree], notes: list[Note]) -> CheckReport:
+def against_checked(r: PinReport, tree: SourceTree, stored: dict) -> None:
+    """Fill r.digests and, for every note claimed and resolved on the pin, what changed since it was accepted."""
+    for p in r.resolved:
+        now, missing = checked_code.current(p.note, p, tree)
+        r.digests[p.note.id] = now
+        if missing:
+            r.missing_depends[p.note.id] = missing
+        was = stored.get(p.note.id, {}).get(r.pin)
+        if was is None:
+            r.unrecorded.append(p.note.id)
+        elif changes := checked_code.changed(was, now):
+            r.stale[p.note.id] = changes
+
+
+def check(trees: dict[str, SourceTree], notes: list[Note], stored: dict | None = None) -> CheckReport:
     reports = [check_pin(pin, tree, notes) for pin, tree in trees.items()]
+    for r in reports:
+        against_checked(r, trees[r.pin], checked_code.load_checked() if stored is None else stored)
     rep = CheckReport(reports)
     base = reports[0]
     for r in reports[1:]:

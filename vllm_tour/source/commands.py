@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from rich.console import Console
+from rich.syntax import Syntax
 from rich.table import Table
 
 from .. import pins
@@ -32,28 +33,44 @@ def show_source(console: Console, qualname: str, lang: str, pin: str | None) -> 
     render(console, tree, symbol, notes_for(on_pin(load_all(), tag), qualname), lang, tag)
 
 
-def run_check(console: Console, pin_tags: list[str], as_json: bool) -> int:
-    """Exit code: 0 every note resolves on each pin it is checked against and no note is shown on a pin it was
-    not checked against; 1 otherwise."""
+def run_check(console: Console, pin_tags: list[str], as_json: bool, show_diff: bool = False,
+              accept: list[str] = (), accept_all: bool = False) -> int:
+    """Exit code: 0 every note resolves on each pin it is checked against, no note is shown on a pin it was not
+    checked against, and each one's code is what it was accepted against (checked.json); 1 otherwise.
+
+    accept / accept_all: record (checked.json) that these notes were read and hold on the given pins, with the
+    digests of the code they rest on now; show_diff: print the anchored code's diff for each drifted note."""
     tags = list(dict.fromkeys(pin_tags or [pins.active_pin_tag()]))
     notes = all_notes(load_all())
+    known = {n.id for n in notes}
+    unknown = [i for i in accept if i not in known]
+    if unknown:
+        raise TourError(f"--accept: no note {unknown[0]!r}")
     trees = {t: tree_for_pin(t, _status) for t in tags}
     rep = check(trees, notes)
+    if accept or accept_all:
+        _accept(console, rep, set(known if accept_all else accept))
+        rep = check(trees, notes)
     if as_json:
         print(json.dumps(rep.to_json(), indent=2, ensure_ascii=False))
         return 1 if rep.problem_count else 0
 
     table = Table(title=f"annotations check — {len(notes)} notes")
-    for col in ("pin", "resolved", "orphaned", "unchecked", "not shown", "drifted", "ambiguous"):
+    for col in ("pin", "resolved", "orphaned", "unchecked", "stale", "unrecorded", "not shown", "drifted", "ambiguous"):
         table.add_column(col, justify="right" if col != "pin" else "left")
+
+    def red(n: int) -> str:
+        return f"[red]{n}[/]" if n else "0"
+
     for r in rep.pins:
         d = rep.drift.get(r.pin)
-        table.add_row(r.pin, str(len(r.resolved)), f"[red]{len(r.orphaned)}[/]" if r.orphaned else "0",
-                      f"[red]{len(r.unchecked)}[/]" if r.unchecked else "0", str(len(r.not_shown)),
-                      "—" if d is None else str(len(d)), str(len(r.ambiguous)))
+        table.add_row(r.pin, str(len(r.resolved)), red(len(r.orphaned)), red(len(r.unchecked)), red(len(r.stale)),
+                      red(len(r.unrecorded)), str(len(r.not_shown)), "—" if d is None else str(len(d)), str(len(r.ambiguous)))
     console.print(table)
     console.print("[dim]resolved/orphaned: notes checked against the pin (`pins`, `variant`); unchecked: shown there "
-                  "(the code resolves) but checked against other pins only; not shown: `not_on`, or absent there[/]")
+                  "(the code resolves) but checked against other pins only; stale: its code (anchor, `depends`) changed "
+                  "since it was accepted; unrecorded: never accepted there (annotations/checked.json); not shown: "
+                  "`not_on`, or absent there[/]")
     if len(tags) > 1:
         console.print(f"[dim]drifted: resolves on both pins but the anchored code differs from pin {tags[0]}[/]")
     for r in rep.pins:
@@ -66,6 +83,15 @@ def run_check(console: Console, pin_tags: list[str], as_json: bool) -> int:
             console.print(f"[red]unchecked[/] {r.pin} {p.note.id}: shown on {r.pin} but checked on "
                           f"{', '.join(p.note.pins)} only — read its code there, then add the pin to `pins`, give a "
                           f"`variant.\"{r.pin}\"` text, or mark it `not_on`", soft_wrap=True)
+        for nid, what in r.stale.items():
+            console.print(f"[red]stale[/] {r.pin} {nid}: the code it rests on changed since it was accepted "
+                          f"({', '.join(what)}) — re-read it, then --accept {nid}", soft_wrap=True)
+        for nid, names in r.missing_depends.items():
+            console.print(f"[red]depends[/] {r.pin} {nid}: {', '.join(names)} not found on this pin", soft_wrap=True)
+        if r.unrecorded:
+            more = f" … and {len(r.unrecorded) - 10} more (--json lists them)" if len(r.unrecorded) > 10 else ""
+            console.print(f"[red]unrecorded[/] {r.pin}: never accepted on this pin: {', '.join(r.unrecorded[:10])}{more} — "
+                          "read each, then --accept ID", soft_wrap=True)
         for p in r.ambiguous:
             console.print(f"[yellow]ambiguous[/] {r.pin} {p.note.id}: anchor matches {p.matches} statements; "
                           f"the first is used (set `occurrence` to choose)", soft_wrap=True)
@@ -75,7 +101,24 @@ def run_check(console: Console, pin_tags: list[str], as_json: bool) -> int:
             seen = "reviewed" if d.note.status_on(other) in ("applies", "variant") else "not reviewed"
             console.print(f"[yellow]drift[/] {d.base}→{other} {d.note.id} ({seen}): {d.note.symbol}{anchor}  "
                           f"{d.base_lines} → {d.other_lines}", soft_wrap=True)
+            if show_diff:
+                console.print(Syntax(d.diff(), "diff", word_wrap=True))
     return 1 if rep.problem_count else 0
+
+
+def _accept(console: Console, rep, ids: set[str]) -> None:
+    """Record the digests of the chosen notes' code on every pin where they are claimed and resolve."""
+    from .checked import load_checked, save_checked
+
+    stored = load_checked()
+    done = []
+    for r in rep.pins:
+        for nid, digests in r.digests.items():
+            if nid in ids and nid not in r.missing_depends:
+                stored.setdefault(nid, {})[r.pin] = digests
+                done.append(f"{nid}@{r.pin}")
+    save_checked(stored)
+    console.print(f"[dim]accepted {len(done)} note/pin pair(s) into annotations/checked.json[/]")
 
 
 def build_site(console: Console, out: Path, pin: str | None) -> Path:
