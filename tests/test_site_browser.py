@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from vllm_tour.paths import REPO_ROOT
-from vllm_tour.source.annotations import load_all
+from vllm_tour.source.annotations import load_all, on_pin
 from vllm_tour.source.html import write_site
 from vllm_tour.source.pinned import tree_for_pin
 
@@ -99,7 +99,7 @@ class Browser:
 
     def click(self, selector: str) -> None:
         """Click through the page like a user would (the element's centre)."""
-        box = self.js(f"(() => {{ const e = document.querySelector({json.dumps(selector)}); e.scrollIntoView();"
+        box = self.js(f"(() => {{ const e = document.querySelector({json.dumps(selector)}); e.scrollIntoView({{block: 'center'}});"
                       f" const r = e.getBoundingClientRect(); return [r.x + r.width/2, r.y + r.height/2]; }})()")
         for kind in ("mousePressed", "mouseReleased"):
             self.call("Input.dispatchMouseEvent", session=True, type=kind, x=box[0], y=box[1], button="left", clickCount=1)
@@ -123,7 +123,7 @@ class Browser:
 @pytest.fixture(scope="module")
 def site(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("site")
-    write_site(out, tree_for_pin("v0.32.0"), load_all(), "v0.32.0")
+    write_site(out, tree_for_pin("v0.32.0"), on_pin(load_all(), "v0.32.0"), "v0.32.0")  # as `vllm-tour site` does
     return out
 
 
@@ -214,3 +214,49 @@ def test_language_switch_and_links(site, browser):
         frag = h.split("#")[1] if "#" in h else None
         if frag and frag.startswith("note-"):
             assert f'id="{frag}"' in path.read_text(), h
+
+
+def test_a_page_reads_like_a_course(site, browser):
+    """Off-path code folded (expandable), a list of the page's notes, previous/next along the journey."""
+    browser.goto((site / SCHED_PAGE).as_uri())
+    page = browser.js(f"""({{
+        folds: document.querySelectorAll('details.fold').length,
+        foldedLines: [...document.querySelectorAll('details.fold')].reduce((n, d) => n + d.querySelectorAll('.line').length, 0),
+        visibleLines: [...document.querySelectorAll('.line')].filter(e => e.checkVisibility()).length,
+        allLines: document.querySelectorAll('.line').length,
+        toc: [...document.querySelectorAll('.toc li a')].map(a => a.getAttribute('href').split('#')[1]),
+        notes: [...document.querySelectorAll('.note')].map(n => n.id),
+        prev: document.querySelector('nav.pager a.prev').getAttribute('href'),
+        next: document.querySelector('nav.pager a.next').getAttribute('href'),
+        hlVisible: [...document.querySelectorAll('.line.hl')].every(e => e.checkVisibility()),
+    }})""")
+    assert page["folds"] > 3 and page["foldedLines"] > 100  # the schedule page's KV-connector/Mamba/spec-decode code
+    assert page["visibleLines"] == page["allLines"] - page["foldedLines"] and page["hlVisible"]
+    assert page["toc"] == page["notes"] and len(page["toc"]) > 5
+    from vllm_tour.source.html import journey
+
+    order = journey(load_all())
+    i = order.index("vllm.v1.core.sched.scheduler.Scheduler.schedule")
+    assert page["prev"].split("?")[0] == f"{order[i - 1]}.html" and page["next"].split("?")[0] == f"{order[i + 1]}.html"
+    browser.click("details.fold > summary")
+    opened = browser.js("[...document.querySelector('details.fold').querySelectorAll('.line')].filter(e => e.checkVisibility()).length")
+    assert opened == browser.js("document.querySelector('details.fold').querySelectorAll('.line').length") > 0
+    browser.goto((site / "index.html").as_uri())
+    loop = browser.js("[...document.querySelectorAll('.loop a.box')].map(a => a.getAttribute('href').split('?')[0])")
+    assert len(loop) == 6 and all((site / h).is_file() for h in loop)
+
+
+def test_narrow_screens_put_notes_below_their_code(site, browser):
+    browser.call("Emulation.setDeviceMetricsOverride", session=True, width=600, height=900, deviceScaleFactor=1, mobile=True)
+    try:
+        browser.goto((site / SCHED_PAGE).as_uri())
+        geo = browser.js("""(() => {
+            const note = document.getElementById('note-sched-allocate-running');
+            const code = note.closest('.row').querySelector('.line.hl');
+            const n = note.getBoundingClientRect(), c = code.getBoundingClientRect();
+            return {noteTop: n.top, codeBottom: c.bottom, width: document.documentElement.scrollWidth};
+        })()""")
+        assert geo["noteTop"] > geo["codeBottom"] and geo["width"] <= 620, geo
+        browser.screenshot(ARTIFACTS / "site-schedule-narrow.png")
+    finally:
+        browser.call("Emulation.clearDeviceMetricsOverride", session=True)

@@ -10,6 +10,7 @@ localStorage and carried in links as ?lang=) shows one.
 from __future__ import annotations
 
 import html
+import re
 import shutil
 from pathlib import Path
 
@@ -27,10 +28,12 @@ _MD = MarkdownIt("commonmark", {"html": False})
 _UI = {
     "en": {"journey": "The request journey", "concepts": "From a trace to the code", "notes": "notes", "note": "note",
            "field": "trace field", "code": "code", "back": "← index", "orphan": "does not resolve on this pin",
-           "whole": "on the whole symbol", "probes": "probes", "see": "see"},
+           "whole": "on the whole symbol", "probes": "probes", "see": "see", "prev": "previous", "next": "next",
+           "on_page": "Notes on this page", "folded": "lines without notes", "loop": "One engine step"},
     "zh": {"journey": "请求的旅程", "concepts": "从 trace 到代码", "notes": "条注解", "note": "条注解", "field": "trace 字段",
            "code": "代码", "back": "← 目录", "orphan": "在此 pin 上无法定位", "whole": "针对整个符号",
-           "probes": "探针", "see": "参见"},
+           "probes": "探针", "see": "参见", "prev": "上一页", "next": "下一页",
+           "on_page": "本页注解", "folded": "行无注解的代码", "loop": "引擎的一步"},
 }
 
 _CSS = """
@@ -71,6 +74,23 @@ table.concepts td, table.concepts th { border-bottom:1px solid var(--line); padd
 table.concepts tr:target { background: var(--hl); }
 .muted { color: var(--muted); }
 .caution { color: #8a5a00; background: #fff6df; padding: .2rem .4rem; border-radius: 4px; margin: .2rem 0; }
+details.fold { margin: 0; }
+details.fold > summary { cursor: pointer; color: var(--muted); font: 12px ui-monospace, Menlo, monospace;
+                         padding: .15rem 0 .15rem 4em; background: #f4f3ef; list-style: none; }
+details.fold > summary::before { content: "▸ "; } details.fold[open] > summary::before { content: "▾ "; }
+nav.pager { display:flex; justify-content:space-between; gap:1rem; margin: .8rem 0; font-size:.9rem; }
+nav.pager a { max-width: 48%; overflow-wrap:anywhere; }
+.toc { background:var(--card); border:1px solid var(--line); border-radius:8px; padding:.4rem .9rem; margin:.6rem 0 1rem; }
+.toc ol { margin:.2rem 0; padding-left:1.6rem; } .toc li { margin:.1rem 0; }
+.loop { display:flex; flex-wrap:wrap; align-items:center; gap:.4rem; margin:.6rem 0 1.2rem; }
+.loop a.box { border:1px solid var(--line); border-left:4px solid var(--acc); background:var(--card); border-radius:6px;
+              padding:.35rem .6rem; text-decoration:none; color:var(--fg); }
+.loop .arrow { color: var(--muted); }
+@media (max-width: 900px) {
+  .row { grid-template-columns: minmax(0, 1fr); }
+  main { padding: .6rem .5rem 3rem; }
+  nav.pager a { max-width: 100%; }
+}
 """
 
 _JS = """
@@ -187,6 +207,64 @@ def _code_lines(code: str, start: int, hl: set[int]) -> list[str]:
     return lines
 
 
+CONTEXT = 3  # lines kept visible around a note's anchored lines
+FOLD_MIN = 8  # a shorter run of unannotated lines stays visible: folding it would hide less than it costs
+
+
+def _fold(lines: list[str], first: int, keep: set[int]) -> str:
+    """The row's code, runs of at least FOLD_MIN lines outside `keep` folded into <details> (off the path the notes
+    follow: KV connectors, Mamba, speculative decoding...)."""
+    out, run = [], []
+
+    def flush():
+        if len(run) >= FOLD_MIN:
+            label = f"L{first + run[0]}–{first + run[-1]} · {len(run)} "
+            out.append(f'<details class="fold"><summary>{_e(label)}{_ui("folded")}</summary>'
+                       f'<pre class="code">{"".join(lines[k] for k in run)}</pre></details>')
+        elif run:
+            out.append(f'<pre class="code">{"".join(lines[k] for k in run)}</pre>')
+        run.clear()
+
+    shown: list[int] = []
+    for k in range(len(lines)):
+        if first + k in keep:
+            flush()
+            shown.append(k)
+        else:
+            if shown:
+                out.append(f'<pre class="code">{"".join(lines[j] for j in shown)}</pre>')
+                shown.clear()
+            run.append(k)
+    if shown:
+        out.append(f'<pre class="code">{"".join(lines[j] for j in shown)}</pre>')
+    flush()
+    return "".join(out)
+
+
+def journey(subs: list[Subsystem]) -> list[str]:
+    """Every annotated symbol once, in the order of the request journey (the site's previous/next)."""
+    return list(dict.fromkeys(q for sub in subs for q in sub.symbols()))
+
+
+def _pager(qualname: str, order: list[str]) -> str:
+    i = order.index(qualname)
+    prev = (f'<a class="internal prev" href="{_e(page_name(order[i - 1]))}">← {_ui("prev")}: '
+            f'<code>{_e(".".join(order[i - 1].split(".")[-2:]))}</code></a>') if i > 0 else "<span></span>"
+    nxt = (f'<a class="internal next" href="{_e(page_name(order[i + 1]))}">{_ui("next")}: '
+           f'<code>{_e(".".join(order[i + 1].split(".")[-2:]))}</code> →</a>') if i + 1 < len(order) else "<span></span>"
+    return f'<nav class="pager">{prev}{nxt}</nav>'
+
+
+def _toc(numbered: list[tuple[int, Placement]]) -> str:
+    items = []
+    for i, p in numbered:
+        first = {lang: re.sub(r"[`*]", "", p.note.text(lang).split("\n\n")[0]).replace("\n", " ") for lang in LANGS}
+        short = {lang: (t[:110] + "…") if len(t) > 110 else t for lang, t in first.items()}
+        items.append(f'<li><a class="internal" href="#note-{_e(p.note.id)}"><code>{_e(p.note.id)}</code></a> '
+                     f'{_both(short)}</li>')
+    return f'<div class="toc">{_ui("on_page", "strong")}<ol>{"".join(items)}</ol></div>'
+
+
 def symbol_page(tree: SourceTree, qualname: str, sub: Subsystem, pin: str, links: _Links,
                 all_subs: list[Subsystem]) -> str:
     notes = [n for n in all_notes(all_subs) if n.symbol == qualname]
@@ -210,19 +288,44 @@ def symbol_page(tree: SourceTree, qualname: str, sub: Subsystem, pin: str, links
         cards = [(i, p) for i, p in inline if p.span.start == s]
         if s == symbol.span.start:
             cards = top + cards
-        code = "".join(lines[s - symbol.span.start : e - symbol.span.start + 1])
+        # visible: the row's first lines (a signature, the anchor) and each anchored span with some context
+        keep = set(range(s, s + CONTEXT)) | {ln for _, p in cards if p.ok and p.note.anchor
+                                            for ln in range(p.span.start - CONTEXT, p.span.end + CONTEXT + 1)}
+        code = _fold(lines[s - symbol.span.start : e - symbol.span.start + 1], s, keep)
         notes_html = "".join(_note_card(i, p, links, pin) for i, p in cards)
-        rows.append(f'<div class="row{"" if cards else " plain"}"><pre class="code">{code}</pre>'
+        rows.append(f'<div class="row{"" if cards else " plain"}"><div class="codecol">{code}</div>'
                     f'<div class="notes">{notes_html}</div></div>')
     rel = symbol.path.relative_to(tree.root.parent).as_posix()
     head = (f'<a class="internal" href="../index.html">{_ui("back")}</a><h1>{_e(qualname)}</h1>'
             f'<span class="pin">{_e(rel)}:{symbol.span.start}-{symbol.span.end} · pin {_e(pin)} · '
             f'{_both(sub.title)}</span>')
-    return _page(qualname, head, "".join(rows), "../")
+    pager = _pager(qualname, journey(all_subs))
+    return _page(qualname, head, pager + _toc(numbered) + "".join(rows) + pager, "../")
+
+
+# One engine step, as the journey's chapters meet it: (title en, title zh, symbol linked)
+LOOP = (
+    ("add_request", "add_request", "vllm.v1.engine.core.EngineCore.add_request"),
+    ("schedule: who runs, how many tokens", "schedule：谁运行、多少 token", "vllm.v1.core.sched.scheduler.Scheduler.schedule"),
+    ("allocate KV blocks", "分配 KV 块", "vllm.v1.core.kv_cache_manager.KVCacheManager.allocate_slots"),
+    ("execute_model: inputs, the forward pass", "execute_model：准备输入、前向计算", "vllm.v1.worker.gpu_model_runner.GPUModelRunner.execute_model"),
+    ("sample", "采样", "vllm.v1.sample.sampler.Sampler.forward"),
+    ("update_from_output: finish, free", "update_from_output：结束与释放", "vllm.v1.core.sched.scheduler.Scheduler.update_from_output"),
+)
+
+
+def _loop(links: _Links) -> str:
+    boxes = []
+    for en, zh, q in LOOP:
+        href = links.href(q, "")
+        if href:
+            boxes.append(f'<a class="internal box" href="{_e(href)}">{_both({"en": en, "zh": zh})}</a>')
+    return (f'<h2 id="loop">{_ui("loop")}</h2><div class="loop">' + '<span class="arrow">→</span>'.join(boxes)
+            + '<span class="arrow">↺</span></div>')
 
 
 def index_page(subs: list[Subsystem], pin: str, links: _Links) -> str:
-    parts = [f'<h2>{_ui("journey")}</h2>']
+    parts = [_loop(links), f'<h2>{_ui("journey")}</h2>']
     for k, sub in enumerate(subs, 1):
         items = []
         for q in sub.symbols():
