@@ -26,6 +26,9 @@ class ClaimFailed(Exception):
         self.evidence = evidence
 
 
+SHOWN = 2  # instances of a behaviour quoted as evidence
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -57,7 +60,9 @@ def _need(cond: bool, step: int | None, evidence: str) -> None:
 def _shown(found: list[str], what: str) -> str:
     """The evidence line, or a failure when the run never showed the behaviour at all."""
     _need(bool(found), None, f"the run never shows {what}")
-    return "; ".join(dict.fromkeys(found))
+    found = list(dict.fromkeys(found))
+    more = f" (+{len(found) - SHOWN} more)" if len(found) > SHOWN else ""
+    return "; ".join(found[:SHOWN]) + more
 
 
 # --- the block pool, replayed ------------------------------------------------------------------
@@ -80,6 +85,7 @@ class PoolReplay:
     cached_order: list[tuple[int, int]] = field(default_factory=list)  # (step, block) cached blocks as freed, in order
     evictions: list[tuple[int, int]] = field(default_factory=list)  # (step, block)
     owners: dict[int, list[tuple[str, int]]] = field(default_factory=dict)  # block -> [(req, position)] when freed
+    cached_free: dict[int, list[int]] = field(default_factory=dict)  # step -> cached blocks nobody holds, after it
 
 
 def _replay_pool(run: Run) -> PoolReplay:
@@ -126,6 +132,7 @@ def _replay_pool(run: Run) -> PoolReplay:
             rep.handouts.append(Handout(s.index, r, list(blocks), states, freed_at))
             used.update(blocks)
         rep.evictions += [(s.index, b) for b in kv.evicted]
+        rep.cached_free[s.index] = sorted(b for b, st in state.items() if st == "cached")
         for e in sc.scheduled:
             computed[e.req_id] = e.num_computed_tokens + e.num_scheduled_tokens
         tables = {r: list(t) for r, t in kv.block_tables.items()}
@@ -157,10 +164,11 @@ def cached_evicted_in_free_order(run: Run) -> str:
     rep = _replay_pool(run)
     hits = {(s.index, b) for s in _sched_steps(run) for h in s.kv.prefix_hits for b in h.block_ids}
     queue = []  # cached free blocks, least recently freed first
-    events = sorted([(st, 0, b) for st, b in rep.cached_order] + [(st, 1, b) for st, b in hits]
-                    + [(st, 2, b) for st, b in rep.evictions])
+    # Within a step: frees, then hits, then the allocations that evict (each list keeps its own order).
+    events = sorted([(st, 0, i, b) for i, (st, b) in enumerate(rep.cached_order)] + [(st, 1, 0, b) for st, b in hits]
+                    + [(st, 2, i, b) for i, (st, b) in enumerate(rep.evictions)])
     found = []
-    for step, kind, b in events:
+    for step, kind, _, b in events:
         if kind == 0:
             queue.append(b)
         elif kind == 1:
@@ -295,11 +303,12 @@ def longest_hit_stops_at_first_miss(run: Run) -> str:
     evicted = {b: st for st, b in _replay_pool(run).evictions}
     found = []
     for s, h in _hits(run):
-        toks = _tokens(run, h.req_id)
+        e = next(e for e in s.scheduler.scheduled if e.req_id == h.req_id)
+        toks = _tokens(run, h.req_id)[:e.num_prompt_tokens + e.num_output_tokens]
         for other, table in _earlier_tables(run, s.index).items():
             if other == h.req_id:
                 continue
-            shared = min(_common(toks, _tokens(run, other)), h.num_hit_tokens if False else len(toks) - 1) // bs
+            shared = min(_common(toks, _tokens(run, other)), len(toks) - 1) // bs
             n_hit = len(h.block_ids)
             if table[:n_hit] == h.block_ids and shared > n_hit:
                 miss = table[n_hit]
@@ -388,9 +397,11 @@ def hit_blocks_are_the_owners(run: Run) -> str:
     """The blocks a hit returns are the physical blocks an earlier request holds for the same prefix."""
     found = []
     for s, h in _hits(run):
-        owners = [o for o, t in _earlier_tables(run, s.index + 1).items() if o != h.req_id and t[:len(h.block_ids)] == h.block_ids]
+        earlier = _earlier_tables(run, s.index)
+        owners = [o for o, t in earlier.items() if t[:len(h.block_ids)] == h.block_ids]
         _need(bool(owners), s.index, f"{h.req_id} hit {h.block_ids}, which no earlier request held as its first blocks")
-        found.append(f"step {s.index}: {h.req_id} got {owners[0]}'s blocks {h.block_ids}")
+        whose = "its own earlier" if owners[0] == h.req_id else f"{owners[0]}'s"
+        found.append(f"step {s.index}: {h.req_id} got {whose} blocks {h.block_ids}")
     return _shown(found, "a prefix hit")
 
 
@@ -470,26 +481,25 @@ def usage_counts_cached_as_free(run: Run) -> str:
     found = []
     for s in _sched_steps(run):
         kv = s.kv
-        _need(abs(kv.usage - (1 - kv.free_blocks / kv.num_blocks)) < 1e-9, s.index,
+        _need(abs(kv.usage - (1 - kv.free_blocks / kv.num_blocks)) < 1e-6, s.index,
               f"usage {kv.usage}, free {kv.free_blocks} of {kv.num_blocks}")
-        held = {b for t in kv.block_tables.values() for b in t}
-        cached_free = [b for b, (st, _, hashed) in rep.frees.items() if hashed and st <= s.index and b not in held
-                       and not any(e <= s.index and bb == b for e, bb in rep.evictions)]
-        if cached_free:
-            found.append(f"step {s.index}: usage {kv.usage:.2f} with cached blocks {sorted(cached_free)} counted free")
-    return _shown(found, "a step with cached free blocks")[:300]
+        if rep.cached_free[s.index]:
+            found.append(f"step {s.index}: usage {kv.usage:.2f} = 1 - {kv.free_blocks}/{kv.num_blocks}, the free blocks "
+                         f"including cached {rep.cached_free[s.index]}")
+    return _shown(found, "a step with cached free blocks")
 
 
 # --- the scheduler -------------------------------------------------------------------------------
 
 
 def _admission_order(run: Run):
-    """Per step: `running` as the scheduler holds it after the step (admission order), replayed from the records."""
+    """Per step: `running` as schedule() found it (admission order), replayed from the records."""
     running: list[str] = []
     for s in _sched_steps(run):
         sc = s.scheduler
-        running = [r for r in running if r not in sc.finished and r not in {p.req_id for p in sc.preempted}]
+        running = [r for r in running if r not in sc.finished]
         yield s, list(running)
+        running = [r for r in running if r not in {p.req_id for p in sc.preempted}]
         running += [e.req_id for e in sc.scheduled if e.kind in ("new", "resumed")]
 
 
@@ -969,9 +979,12 @@ def failed_admission_stops_the_queue(run: Run) -> str:
             wb, fb = _waiting_steps(run, behind.req_id)
             both = [s for s in wb if s in waited]
             for s in both:
-                _need(not s.scheduler.preempted, s.index, f"{head.req_id} waiting, yet {s.scheduler.preempted[0].req_id} preempted")
-            if both:
-                s = both[0]
+                _need(not s.scheduler.preempted, s.index, f"{head.req_id} waiting, yet {s.scheduler.preempted} preempted")
+            blocked = [s for s in both if s.scheduler.running_after < s.scheduler.max_num_seqs
+                       and s.scheduler.tokens_scheduled < s.scheduler.token_budget]
+            if blocked:
+                s = blocked[0]
+                both = blocked
                 found.append(f"steps {[x.index for x in both]}: {behind.req_id} ({len(behind.prompt_token_ids or [])} tokens) "
                              f"waits behind {head.req_id} with {s.kv.free_blocks} blocks free and nobody preempted")
     return _shown(found, "a request waiting behind one that does not fit")

@@ -1,8 +1,9 @@
 """`vllm-tour annotations verify`: prove notes' claims on live upstream runs.
 
-annotations/proofs.toml maps a note id to the scenario that shows the behaviour,
-the check (a function in source/proofs.py) that tests it on that scenario's
-trace, and the claim in both languages:
+annotations/proofs/<pin>.toml maps a note id to the scenario that shows the
+behaviour, the check (a function in source/proofs.py) that tests it on that
+scenario's trace, and the claim in both languages, as true of that pin (the
+file sits apart from the notes, which `annotations` loads from annotations/*.toml):
 
     [pool-free-order]
     scenario = "cmp_evict"                       # traces/scenarios/<name>.toml
@@ -33,7 +34,7 @@ from ..paths import ANNOTATIONS_DIR, SCENARIOS_DIR
 from . import proofs
 from .annotations import LANGS, all_notes, load_all
 
-PROOFS_FILE = ANNOTATIONS_DIR / "proofs.toml"
+PROOFS_DIR = ANNOTATIONS_DIR / "proofs"
 CHECKS = {name: fn for name, fn in vars(proofs).items()
           if inspect.isfunction(fn) and fn.__module__ == proofs.__name__ and not name.startswith("_")}
 
@@ -65,7 +66,7 @@ class Verdict:
     evidence: str
 
 
-def load_proofs(path: Path = PROOFS_FILE) -> dict[str, Proof]:
+def load_proofs(path: Path) -> dict[str, Proof]:
     """Note id -> Proof; TourError for a malformed file, an unknown note, scenario or check."""
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
@@ -128,11 +129,13 @@ def run_proofs(selected: dict[str, Proof], progress: Console) -> list[Verdict]:
 
 def verify(console: Console, pin: str | None, note_ids: list[str], as_json: bool, proofs_path: Path | None) -> int:
     """Exit code: 0 every claim holds, 1 some claim fails."""
-    table = load_proofs(proofs_path or PROOFS_FILE)
+    pin = pin or pins.active_pin_tag()
+    check_pin_installed(pin)
+    path = proofs_path or PROOFS_DIR / f"{pin}.toml"
+    table = load_proofs(path)
     unknown = [n for n in note_ids if n not in table]
     if unknown:
-        raise TourError(f"no proof for note(s) {', '.join(unknown)} (notes with proofs: see {PROOFS_FILE.name})")
-    check_pin_installed(pin or pins.active_pin_tag())
+        raise TourError(f"no proof for note(s) {', '.join(unknown)} in {path}")
     selected = {n: table[n] for n in (note_ids or table)}
     verdicts = run_proofs(selected, Console(stderr=True) if as_json else console)
     failed = [v for v in verdicts if not v.holds]
