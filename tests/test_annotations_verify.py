@@ -101,3 +101,46 @@ def test_bad_input_is_one_line_and_exit_2(cli, tmp_path, args, toml, message):
     assert r.returncode == 2, r.stdout + r.stderr
     assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: ") and message in r.stderr, r.stderr
     assert "upstream run of" not in r.stdout + r.stderr  # refused before any engine starts
+
+
+# Each mutation breaks, in a copy of the real trace, the behaviour one check proves: the check must then fail.
+def _swap_first_two(xs):
+    xs[0], xs[1] = xs[1], xs[0]
+
+
+MUTATIONS = {
+    "hashless_before_fresh_before_cached": ("cmp_evict", lambda run: run.step(4).kv.allocated["z"].reverse()),
+    "cached_evicted_in_free_order": ("cmp_evict", lambda run: run.step(8).kv.evicted.reverse()),
+    "evicted_when_handed_out": ("cmp_evict", lambda run: run.step(5).kv.evicted.append(1)),
+    "running_in_admission_order": ("cmp_chunked", lambda run: _swap_first_two(run.step(6).scheduler.scheduled)),
+    "victim_is_last_admitted": ("cmp_preempt", lambda run: setattr(run.step(26).scheduler.preempted[0], "req_id", "a")),
+    "same_step_hit": ("proof_same_step", lambda run: run.step(1).kv.allocated.pop("x")),
+    "partial_prefill_sample_dropped_by_runner": (
+        "cmp_chunked", lambda run: run.step(1).runner[0].sampled_token_ids.__setitem__("long1", [7])),
+    "watermark_off": ("proof_admission", lambda run: setattr(run.step(5).kv, "free_blocks", 27)),
+    "whole_prompt_must_fit": ("proof_admission", lambda run: [setattr(run.step(i).kv, "free_blocks", 64) for i in (2, 3, 4)]),
+}
+
+
+@pytest.fixture(scope="module")
+def traced():
+    runs = {}
+
+    def get(name):
+        if name not in runs:
+            runs[name] = load_run(upstream_run_for(load_scenario(SCENARIOS_DIR / f"{name}.toml")))
+        return runs[name]
+
+    return get
+
+
+@pytest.mark.parametrize("check", sorted(MUTATIONS))
+def test_a_check_fails_when_the_trace_contradicts_it(traced, check):
+    import copy
+
+    scenario, mutate = MUTATIONS[check]
+    assert verify.CHECKS[check](traced(scenario))  # holds on the real trace
+    run = copy.deepcopy(traced(scenario))
+    mutate(run)
+    with pytest.raises(proofs.ClaimFailed):
+        verify.CHECKS[check](run)

@@ -48,10 +48,6 @@ def _tokens(run: Run, req_id: str) -> list[int]:
     return list(o.prompt_token_ids) + list(o.token_ids)
 
 
-def _prompt(run: Run, req_id: str) -> list[int]:
-    return next(list(r.prompt_token_ids or []) for r in run.meta.requests if r.req_id == req_id)
-
-
 def _need(cond: bool, step: int | None, evidence: str) -> None:
     if not cond:
         raise ClaimFailed(step, evidence)
@@ -84,7 +80,7 @@ class PoolReplay:
     frees: dict[int, tuple[int, int, bool]] = field(default_factory=dict)
     cached_order: list[tuple[int, int]] = field(default_factory=list)  # (step, block) cached blocks as freed, in order
     evictions: list[tuple[int, int]] = field(default_factory=list)  # (step, block)
-    owners: dict[int, list[tuple[str, int]]] = field(default_factory=dict)  # block -> [(req, position)] when freed
+    owners: dict[int, tuple[str | None, int]] = field(default_factory=dict)  # block -> (request, position) at its free
     cached_free: dict[int, list[int]] = field(default_factory=dict)  # step -> cached blocks nobody holds, after it
 
 
@@ -119,7 +115,7 @@ def _replay_pool(run: Run) -> PoolReplay:
                 hashed = pos >= 0 and (pos + 1) * bs <= done
                 state[b] = "cached" if hashed else "hashless"
                 rep.frees[b] = (s.index, n_frees, hashed)
-                rep.owners[b] = [(r, pos)]
+                rep.owners[b] = (r, pos)
                 n_frees += 1
                 if hashed:
                     rep.cached_order.append((s.index, b))
@@ -188,10 +184,9 @@ def tail_evicted_before_head(run: Run) -> str:
     evicted = {b: st for st, b in rep.evictions}
     found = []
     by_req: dict[str, list[tuple[int, int]]] = {}
-    for b, owners in rep.owners.items():
+    for b, (r, pos) in rep.owners.items():
         if rep.frees[b][2]:
-            for r, pos in owners:
-                by_req.setdefault(r, []).append((pos, b))
+            by_req.setdefault(r, []).append((pos, b))
     for r, blocks in by_req.items():
         blocks.sort()
         for (p1, b1), (p2, b2) in zip(blocks, blocks[1:]):
@@ -436,7 +431,7 @@ def finished_blocks_stay_cached(run: Run) -> str:
     for s, h in _hits(run):
         for b in h.block_ids:
             if b in rep.frees and rep.frees[b][0] <= s.index:
-                owner = rep.owners[b][0][0]
+                owner = rep.owners[b][0]
                 found.append(f"{owner}'s block {b}, freed at step {rep.frees[b][0]}, hit by {h.req_id} at step {s.index}")
     for s in _sched_steps(run):
         for r in s.scheduler.finished:
@@ -672,7 +667,7 @@ def runner_drops_unscheduled(run: Run) -> str:
 def readmitted_as_resumed(run: Run) -> str:
     """A request's first admission is `new`; after a preemption it is admitted again as `resumed`, at the tail."""
     found = []
-    seen, out = set(), set()
+    out = set()
     for s, running in _admission_order(run):
         admitted = [e for e in s.scheduler.scheduled if e.kind in ("new", "resumed")]
         for e in admitted:
@@ -681,7 +676,6 @@ def readmitted_as_resumed(run: Run) -> str:
             if want == "resumed":
                 found.append(f"step {s.index}: {e.req_id} back as resumed behind {running}")
             out.discard(e.req_id)
-            seen.add(e.req_id)
         out |= {p.req_id for p in s.scheduler.preempted}
     return _shown(found, "a resumed request")
 
@@ -957,10 +951,12 @@ def watermark_off(run: Run) -> str:
         sc = s.scheduler
         if not any(e.kind == "running" for e in sc.scheduled):
             continue
-        free_before = s.kv.free_blocks + sum(len(v) for v in s.kv.allocated.values()) - len(s.kv.freed)
-        free_before += len(s.kv.freed)  # freed at this step's start, before admission
+        allocated = list(s.kv.allocated.items())  # in allocation order: running requests first
         for e in sc.scheduled:
-            if e.kind == "new":
+            if e.kind == "new" and e.req_id in s.kv.allocated:
+                i = [r for r, _ in allocated].index(e.req_id)
+                # Free blocks when this request was admitted: what is left now plus what it and later ones took.
+                free_before = s.kv.free_blocks + sum(len(b) for _, b in allocated[i:])
                 need = _cdiv(e.num_prompt_tokens, bs)
                 if need == free_before:
                     found.append(f"step {s.index}: {e.req_id}'s prompt needs {need} blocks, {free_before} were free; "
@@ -997,9 +993,9 @@ def no_blocks_before_admission(run: Run) -> str:
         waited, first = _waiting_steps(run, req.req_id)
         for s in waited:
             _need(req.req_id not in s.kv.block_tables, s.index, f"{req.req_id} holds blocks while waiting")
-        if waited:
-            found.append(f"{req.req_id}: no blocks in steps {waited[0].index}..{waited[-1].index}, "
-                         f"{len(_sched_steps(run)[0].kv.block_tables) and len(next(s for s in _sched_steps(run) if s.index == first).kv.block_tables[req.req_id])} at step {first}")
+        if waited and first is not None:
+            got = next(s for s in _sched_steps(run) if s.index == first).kv.block_tables[req.req_id]
+            found.append(f"{req.req_id}: no blocks in steps {waited[0].index}..{waited[-1].index}, {len(got)} at step {first}")
     return _shown(found, "a request waiting before admission")
 
 
