@@ -116,7 +116,7 @@ def run_proofs(selected: dict[str, Proof], progress: Console) -> list[Verdict]:
         by_scenario.setdefault(proof.scenario, []).append(note_id)
     verdicts = []
     for name, note_ids in by_scenario.items():
-        progress.print(f"[dim]upstream run of {name} ({len(note_ids)} claims)…[/]")
+        progress.print(f"[dim]upstream run of {name} ({len(note_ids)} claim{'s' * (len(note_ids) != 1)})…[/]")
         run = load_run(upstream_run_for(load_scenario(SCENARIOS_DIR / f"{name}.toml")))
         for note_id in note_ids:
             proof = selected[note_id]
