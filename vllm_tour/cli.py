@@ -142,6 +142,19 @@ def annotations_check(
     raise typer.Exit(run_check(console, pin, as_json, diff, accept, accept_all))
 
 
+@annotations_app.command("verify")
+def annotations_verify(
+    pin: Optional[str] = typer.Option(None, "--pin", help="Pin tag; must be the installed vLLM (default: its pin)."),
+    note: list[str] = typer.Option([], "--note", help="Note id to verify; repeat for several (default: every proven note)."),
+    as_json: bool = flag("--json", help="Machine-readable report on stdout."),
+    proofs: Optional[Path] = typer.Option(None, "--proofs", help="Proofs file (default: annotations/proofs/PIN.toml)."),
+):
+    """Prove notes' claims on live upstream runs: each note's check over its scenario's trace (exit 1 if one fails)."""
+    from .source.verify import verify
+
+    raise typer.Exit(verify(console, pin, note, as_json, proofs))
+
+
 @app.command()
 def site(
     out: Path = typer.Option(Path("site"), "--out", help="Directory to write the static site into."),

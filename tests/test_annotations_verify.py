@@ -1,0 +1,146 @@
+"""`vllm-tour annotations verify`: notes' claims checked on live upstream runs (cached per scenario,
+shared with the compare tests), a planted false claim caught, bad input refused."""
+
+import json
+import re
+
+import pytest
+from typer.testing import CliRunner
+
+from vllm_tour.cli import app
+from vllm_tour.compare.upstream import upstream_run_for
+from vllm_tour.paths import SCENARIOS_DIR
+from vllm_tour.scenario import load_scenario
+from vllm_tour.source import proofs, verify
+from vllm_tour.source.annotations import all_notes, load_all
+from vllm_tour.trace.reader import load_run
+
+PIN = "v0.32.0"
+# Notes on these behaviours must carry a proof (ordering notes are listed by id below).
+PROVEN_CONCEPTS = {"eviction", "preemption", "prefix-hit", "chunked-prefill"}
+ORDERING_NOTES = {"sched-queues", "sched-running-loop", "sched-fcfs-queue", "sched-admit", "sched-preempt-prepend",
+                  "sched-budget-init", "kvm-free-reverse", "pool-free-order", "pool-free-queue", "pool-get-new"}
+
+
+@pytest.fixture(scope="module")
+def report(cli):
+    r = cli("annotations", "verify", "--pin", PIN, "--json", timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return json.loads(r.stdout)
+
+
+def test_every_claim_holds_on_the_live_engine(report):
+    assert report["failed"] == 0
+    assert report["proven"] >= 25
+    assert all(c["holds"] and c["evidence"] for c in report["claims"])
+
+
+def test_notes_on_ordering_eviction_preemption_prefix_hits_and_chunking_are_proven(report):
+    proven = {c["note"] for c in report["claims"]}
+    notes = all_notes(load_all())
+    must = {n.id for n in notes if PROVEN_CONCEPTS & set(n.concepts)} | (ORDERING_NOTES & {n.id for n in notes})
+    assert not must - proven, f"notes without a proof: {sorted(must - proven)}"
+
+
+def never_used_blocks_first(run):
+    """The FALSE claim (v0.21.0's order): an allocation hands out never-used blocks before any freed block."""
+    used: set[int] = set()
+    for s in run.steps:
+        for req, blocks in (s.kv.allocated.items() if s.kv else ()):
+            fresh = [b for b in blocks if b not in used]
+            if fresh and blocks[:len(fresh)] != fresh:
+                raise proofs.ClaimFailed(s.index, f"{req} got {blocks}: freed blocks "
+                                                  f"{[b for b in blocks if b in used]} before never-used {fresh}")
+            used.update(blocks)
+    return "never-used blocks first in every allocation"
+
+
+def test_a_false_claim_fails_with_note_step_and_evidence(tmp_path, monkeypatch):
+    monkeypatch.setitem(verify.CHECKS, "never_used_blocks_first", never_used_blocks_first)
+    planted = tmp_path / "proofs.toml"
+    planted.write_text('[pool-free-order]\nscenario = "cmp_evict"\ncheck = "never_used_blocks_first"\n'
+                       'claim.en = "Never-used blocks are handed out before freed ones."\n'
+                       'claim.zh = "从未用过的块先于已释放的块分出。"\n', encoding="utf-8")
+    r = CliRunner().invoke(app, ["annotations", "verify", "--pin", PIN, "--proofs", str(planted)],
+                           env={"COLUMNS": "200", "NO_COLOR": "1"})
+    assert r.exit_code == 1, r.output
+    line = next(ln for ln in r.output.splitlines() if ln.startswith("claim fails"))
+    m = re.search(r"claim fails pool-free-order on cmp_evict, step (\d+): (\w+) got \[([\d, ]+)\]: freed blocks", line)
+    assert m, line
+    # The evidence is the trace's: that request's allocation in that step, freed blocks first.
+    traced = load_run(upstream_run_for(load_scenario(SCENARIOS_DIR / "cmp_evict.toml"))).step(int(m[1]))
+    assert traced.kv.allocated[m[2]] == [int(b) for b in m[3].split(", ")]
+
+
+def test_the_true_claim_on_the_same_run_holds():
+    """The proof of the real order passes where the planted one failed (same scenario, one check)."""
+    r = CliRunner().invoke(app, ["annotations", "verify", "--pin", PIN, "--note", "pool-free-order", "--json"])
+    assert r.exit_code == 0, r.output
+    claim = json.loads(r.output[r.output.index("{"):])["claims"]
+    assert [c["note"] for c in claim] == ["pool-free-order"] and "freed without a hash" in claim[0]["evidence"]
+
+
+@pytest.mark.parametrize("args, toml, message", [
+    (["--note", "no-such-note"], None, "no proof for note(s) no-such-note"),
+    (["--pin", "v0.21.0"], None, "pin v0.21.0 is not installed here"),
+    (["--pin", "v9.9.9"], None, "unknown pin v9.9.9"),
+    ([], '[pool-free-order\nscenario = "cmp_evict"', "not valid TOML"),
+    ([], '[no-such-note]\nscenario = "cmp_evict"\ncheck = "owed_tokens"\nclaim.en = "x"\nclaim.zh = "x"\n',
+     "no note with id 'no-such-note'"),
+    ([], '[pool-free-order]\nscenario = "no_such_scenario"\ncheck = "owed_tokens"\nclaim.en = "x"\nclaim.zh = "x"\n',
+     "no scenario 'no_such_scenario'"),
+    ([], '[pool-free-order]\nscenario = "cmp_evict"\ncheck = "no_such_check"\nclaim.en = "x"\nclaim.zh = "x"\n',
+     "no check 'no_such_check'"),
+    ([], '[pool-free-order]\nscenario = "cmp_evict"\ncheck = "owed_tokens"\nclaim.en = "x"\n', "missing claim language"),
+])
+def test_bad_input_is_one_line_and_exit_2(cli, tmp_path, args, toml, message):
+    if toml is not None:
+        (tmp_path / "p.toml").write_text(toml, encoding="utf-8")
+        args = [*args, "--proofs", str(tmp_path / "p.toml")]
+    r = cli("annotations", "verify", *args)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: ") and message in r.stderr, r.stderr
+    assert "upstream run of" not in r.stdout + r.stderr  # refused before any engine starts
+
+
+# Each mutation breaks, in a copy of the real trace, the behaviour one check proves: the check must then fail.
+def _swap_first_two(xs):
+    xs[0], xs[1] = xs[1], xs[0]
+
+
+MUTATIONS = {
+    "hashless_before_fresh_before_cached": ("cmp_evict", lambda run: run.step(4).kv.allocated["z"].reverse()),
+    "cached_evicted_in_free_order": ("cmp_evict", lambda run: run.step(8).kv.evicted.reverse()),
+    "evicted_when_handed_out": ("cmp_evict", lambda run: run.step(5).kv.evicted.append(1)),
+    "running_in_admission_order": ("cmp_chunked", lambda run: _swap_first_two(run.step(6).scheduler.scheduled)),
+    "victim_is_last_admitted": ("cmp_preempt", lambda run: setattr(run.step(26).scheduler.preempted[0], "req_id", "a")),
+    "same_step_hit": ("proof_same_step", lambda run: run.step(1).kv.allocated.pop("x")),
+    "partial_prefill_sample_dropped_by_runner": (
+        "cmp_chunked", lambda run: run.step(1).runner[0].sampled_token_ids.__setitem__("long1", [7])),
+    "watermark_off": ("proof_admission", lambda run: setattr(run.step(5).kv, "free_blocks", 27)),
+    "whole_prompt_must_fit": ("proof_admission", lambda run: [setattr(run.step(i).kv, "free_blocks", 64) for i in (2, 3, 4)]),
+}
+
+
+@pytest.fixture(scope="module")
+def traced():
+    runs = {}
+
+    def get(name):
+        if name not in runs:
+            runs[name] = load_run(upstream_run_for(load_scenario(SCENARIOS_DIR / f"{name}.toml")))
+        return runs[name]
+
+    return get
+
+
+@pytest.mark.parametrize("check", sorted(MUTATIONS))
+def test_a_check_fails_when_the_trace_contradicts_it(traced, check):
+    import copy
+
+    scenario, mutate = MUTATIONS[check]
+    assert verify.CHECKS[check](traced(scenario))  # holds on the real trace
+    run = copy.deepcopy(traced(scenario))
+    mutate(run)
+    with pytest.raises(proofs.ClaimFailed):
+        verify.CHECKS[check](run)

@@ -1,0 +1,157 @@
+"""`vllm-tour annotations verify`: prove notes' claims on live upstream runs.
+
+annotations/proofs/<pin>.toml maps a note id to the scenario that shows the
+behaviour, the check (a function in source/proofs.py) that tests it on that
+scenario's trace, and the claim in both languages, as true of that pin (the
+file sits apart from the notes, which `annotations` loads from annotations/*.toml):
+
+    [pool-free-order]
+    scenario = "cmp_evict"                       # traces/scenarios/<name>.toml
+    check = "hashless_before_fresh_before_cached"
+    claim.en = "..."
+    claim.zh = "..."
+
+Each scenario runs once on the installed upstream engine (cached by scenario
+content, shared with `compare` and the tests); every claim on it is then checked.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import tomllib
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from .. import pins
+from ..errors import TourError
+from ..paths import ANNOTATIONS_DIR, SCENARIOS_DIR
+from . import proofs
+from .annotations import LANGS, all_notes, load_all
+
+PROOFS_DIR = ANNOTATIONS_DIR / "proofs"
+CHECKS = {name: fn for name, fn in vars(proofs).items()
+          if inspect.isfunction(fn) and fn.__module__ == proofs.__name__ and not name.startswith("_")}
+
+
+class Proof(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    scenario: str
+    check: str
+    claim: dict[str, str]
+
+    @field_validator("claim")
+    @classmethod
+    def _bilingual(cls, v: dict[str, str]) -> dict[str, str]:
+        missing = [lang for lang in LANGS if not v.get(lang, "").strip()]
+        if missing:
+            raise ValueError(f"missing claim language(s) {missing}")
+        return v
+
+
+@dataclass
+class Verdict:
+    note: str
+    scenario: str
+    check: str
+    claim: str
+    holds: bool
+    step: int | None
+    evidence: str
+
+
+def load_proofs(path: Path) -> dict[str, Proof]:
+    """Note id -> Proof; TourError for a malformed file, an unknown note, scenario or check."""
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise TourError(f"cannot read {path}: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise TourError(f"{path}: not valid TOML ({e})") from None
+    notes = {n.id for n in all_notes(load_all())}
+    out = {}
+    for note_id, entry in data.items():
+        where = f"{path.name} [{note_id}]"
+        if not isinstance(entry, dict):
+            raise TourError(f"{where}: expected a table with scenario, check and claim")
+        try:
+            proof = Proof.model_validate(entry)
+        except ValidationError as e:
+            err = e.errors()[0]
+            raise TourError(f"{where}: {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+        if note_id not in notes:
+            raise TourError(f"{where}: no note with id '{note_id}' in {ANNOTATIONS_DIR}")
+        if not (SCENARIOS_DIR / f"{proof.scenario}.toml").is_file():
+            raise TourError(f"{where}: no scenario '{proof.scenario}' in {SCENARIOS_DIR}")
+        if proof.check not in CHECKS:
+            raise TourError(f"{where}: no check '{proof.check}' in {proofs.__name__}")
+        out[note_id] = proof
+    return out
+
+
+def check_pin_installed(pin: str) -> None:
+    """Proofs run the live engine: the pin must be the installed vLLM."""
+    if pin not in pins.available_pins():
+        raise TourError(f"unknown pin {pin} (known: {', '.join(pins.available_pins())})")
+    inst = pins.installed_vllm()
+    here = f"{inst.dist} {inst.version}" if inst else "no vLLM"
+    if inst is None or f"v{inst.version}" != pin:
+        raise TourError(f"pin {pin} is not installed here ({here}): its proofs run only where that vLLM runs "
+                        f"(v0.21.0: the CUDA engine on the GPU machine)")
+
+
+def run_proofs(selected: dict[str, Proof], progress: Console) -> list[Verdict]:
+    from ..compare.upstream import upstream_run_for
+    from ..scenario import load_scenario
+    from ..trace.reader import load_run
+
+    by_scenario: dict[str, list[str]] = {}
+    for note_id, proof in selected.items():
+        by_scenario.setdefault(proof.scenario, []).append(note_id)
+    verdicts = []
+    for name, note_ids in by_scenario.items():
+        progress.print(f"[dim]upstream run of {name} ({len(note_ids)} claim{'s' * (len(note_ids) != 1)})…[/]")
+        run = load_run(upstream_run_for(load_scenario(SCENARIOS_DIR / f"{name}.toml")))
+        for note_id in note_ids:
+            proof = selected[note_id]
+            try:
+                verdicts.append(Verdict(note_id, name, proof.check, proof.claim["en"], True, None, CHECKS[proof.check](run)))
+            except proofs.ClaimFailed as e:
+                verdicts.append(Verdict(note_id, name, proof.check, proof.claim["en"], False, e.step, e.evidence))
+    return verdicts
+
+
+def verify(console: Console, pin: str | None, note_ids: list[str], as_json: bool, proofs_path: Path | None) -> int:
+    """Exit code: 0 every claim holds, 1 some claim fails."""
+    pin = pin or pins.active_pin_tag()
+    check_pin_installed(pin)
+    path = proofs_path or PROOFS_DIR / f"{pin}.toml"
+    table = load_proofs(path)
+    unknown = [n for n in note_ids if n not in table]
+    if unknown:
+        raise TourError(f"no proof for note(s) {', '.join(unknown)} in {path}")
+    selected = {n: table[n] for n in (note_ids or table)}
+    verdicts = run_proofs(selected, Console(stderr=True) if as_json else console)
+    failed = [v for v in verdicts if not v.holds]
+    if as_json:
+        print(json.dumps({"proven": len(verdicts) - len(failed), "failed": len(failed),
+                          "claims": [asdict(v) for v in verdicts]}, indent=2, ensure_ascii=False))
+        return 1 if failed else 0
+    out = Table(title=f"annotations verify — {len(verdicts) - len(failed)} of {len(verdicts)} claims hold")
+    for col in ("note", "scenario", "verdict", "evidence"):
+        out.add_column(col, overflow="fold")
+    for v in verdicts:
+        verdict = "[green]holds[/]" if v.holds else f"[red]FAILS[/] at step {v.step}" if v.step else "[red]FAILS[/]"
+        out.add_row(v.note, v.scenario, verdict, escape(v.evidence))
+    console.print(out)
+    for v in failed:
+        where = f"step {v.step}" if v.step is not None else "the whole run"
+        console.print(f"[red]claim fails[/] {v.note} on {v.scenario}, {where}: {escape(v.evidence)}\n"
+                      f"  claim: {escape(v.claim)}", soft_wrap=True)
+    return 1 if failed else 0
