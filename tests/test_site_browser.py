@@ -18,10 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from vllm_tour.paths import REPO_ROOT
+from vllm_tour.paths import GOLDEN_DIR, REPO_ROOT
 from vllm_tour.source.annotations import load_all, on_pin
 from vllm_tour.source.html import write_site
 from vllm_tour.source.pinned import tree_for_pin
+from vllm_tour.trace.reader import load_run
 
 ARTIFACTS = REPO_ROOT / "test-artifacts"
 SCHED_PAGE = "sym/vllm.v1.core.sched.scheduler.Scheduler.schedule.html"
@@ -260,3 +261,31 @@ def test_narrow_screens_put_notes_below_their_code(site, browser):
         browser.screenshot(ARTIFACTS / "site-schedule-narrow.png")
     finally:
         browser.call("Emulation.clearDeviceMetricsOverride", session=True)
+
+
+def test_golden_traces_step_by_step_link_events_to_notes(site, browser):
+    """Trace ↔ code: each golden trace of the pin is a page whose events link to the notes on the code that made
+    them; a note proven on a live run says so, with the command that re-proves it."""
+    browser.goto((site / "index.html").as_uri())
+    traces = browser.js("[...document.querySelectorAll('#traces ~ ul a')].map(a => a.textContent)")
+    assert {"preemption", "shared_prefix", "chunked_prefill"} <= set(traces)
+    browser.goto((site / "trace" / "preemption.html").as_uri())
+    ev = browser.js("""(() => {
+        const e = [...document.querySelectorAll('.ev-preemption')][0];
+        const a = e.nextElementSibling;
+        return {text: e.textContent, step: e.closest('tr').id, href: a.href};
+    })()""")
+    run = load_run(GOLDEN_DIR / "preemption")
+    first = next(s for s in run.steps if s.scheduler.preempted)
+    assert ev["text"] == f"PREEMPT {first.scheduler.preempted[0].req_id}" and ev["step"] == f"step-{first.index}"
+    browser.screenshot(ARTIFACTS / "site-trace-preemption.png")
+    page, frag = ev["href"].split("?")[0].removeprefix("file://"), ev["href"].split("#")[1]
+    assert frag.startswith("note-") and f'id="{frag}"' in Path(page).read_text()
+    from vllm_tour.source.verify import proofs_for_pin
+
+    proven = proofs_for_pin("v0.32.0")
+    note = next(iter(proven))
+    symbol = next(n.symbol for s in load_all() for n in s.notes if n.id == note)
+    browser.goto((site / "sym" / f"{symbol}.html").as_uri() + "?lang=en")  # an earlier test left zh chosen
+    tag = browser.js(f"document.querySelector('#note-{note} .proven').parentElement.innerText")
+    assert "proven on a live run of" in tag and f"vllm-tour annotations verify --note {note}" in tag

@@ -29,11 +29,13 @@ _UI = {
     "en": {"journey": "The request journey", "concepts": "From a trace to the code", "notes": "notes", "note": "note",
            "field": "trace field", "code": "code", "back": "← index", "orphan": "does not resolve on this pin",
            "whole": "on the whole symbol", "probes": "probes", "see": "see", "prev": "previous", "next": "next",
-           "on_page": "Notes on this page", "folded": "lines without notes", "loop": "One engine step"},
+           "on_page": "Notes on this page", "folded": "lines without notes", "loop": "One engine step",
+           "proven": "proven on a live run of", "traces": "Traces, step by step"},
     "zh": {"journey": "请求的旅程", "concepts": "从 trace 到代码", "notes": "条注解", "note": "条注解", "field": "trace 字段",
            "code": "代码", "back": "← 目录", "orphan": "在此 pin 上无法定位", "whole": "针对整个符号",
            "probes": "探针", "see": "参见", "prev": "上一页", "next": "下一页",
-           "on_page": "本页注解", "folded": "行无注解的代码", "loop": "引擎的一步"},
+           "on_page": "本页注解", "folded": "行无注解的代码", "loop": "引擎的一步",
+           "proven": "已在真实运行中验证：", "traces": "逐步查看 trace"},
 }
 
 _CSS = """
@@ -66,6 +68,9 @@ pre.code { margin:0; padding:.3rem 0; overflow-x:auto; font: 12.5px/1.5 ui-monos
 .note code, li code { background:#f1efe8; padding:0 .25em; border-radius:3px; font-size:.9em; }
 .tags { font-size:.8rem; color:var(--muted); margin-top:.3rem; }
 .tags a { margin-right:.5em; }
+.proven { color:#1d6b2f; font-weight:600; }
+table.trace td:first-child { color: var(--muted); width: 3em; } .ev-preemption { color:#b00; font-weight:600; }
+.ev-prefix-hit { color:#1d6b2f; } .ev-eviction { color:#8a5a00; }
 .sub { margin: 1.4rem 0; padding: .8rem 1rem; background:var(--card); border:1px solid var(--line); border-radius:8px; }
 .sub h3 { margin:.1rem 0 .4rem; } .sub ul { margin:.3rem 0; }
 .step { display:inline-block; min-width:1.8em; color:var(--acc); font-weight:700; }
@@ -158,9 +163,11 @@ def _page(title: str, head: str, body: str, root: str) -> str:
 class _Links:
     """Where a symbol or note id lives in the site (None: not annotated here)."""
 
-    def __init__(self, subs: list[Subsystem]):
+    def __init__(self, subs: list[Subsystem], proofs: dict | None = None, traces: dict[str, str] | None = None):
         self.symbols = {s for sub in subs for s in sub.symbols()}
         self.notes = {n.id: n.symbol for n in all_notes(subs)}
+        self.proofs = proofs or {}  # note id -> verify.Proof on this pin
+        self.traces = traces or {}  # golden run name -> its trace page (from the site root)
 
     def href(self, target: str, root: str) -> str | None:
         if target in self.notes:
@@ -189,6 +196,12 @@ def _note_card(i: int, p: Placement, links: _Links, pin: str) -> str:
                     + _both({"en": en, "zh": zh}) + "</a>")
     if n.see:
         tags.append(_ui("see") + ": " + " ".join(links.link(t, "../") for t in n.see))
+    proof = links.proofs.get(n.id)
+    if proof:
+        run = (f'<a class="internal" href="../{_e(links.traces[proof.scenario])}">{_e(proof.scenario)}</a>'
+               if proof.scenario in links.traces else f"<code>{_e(proof.scenario)}</code>")
+        tags.append(f'<span class="proven">✓ {_ui("proven")} {run}</span> <code>vllm-tour annotations verify --note '
+                    f'{_e(n.id)}</code>: ' + _both({lang: proof.claim[lang] for lang in LANGS}))
     orphan = f'<div class="muted">⚠ {_ui("orphan")}: {_e(p.problem)}</div>' if not p.ok else ""
     if n.caution:
         orphan += '<div class="caution">⚠ ' + _both({lang: caution_text(n, lang, pin) for lang in LANGS}) + "</div>"
@@ -209,6 +222,7 @@ def _code_lines(code: str, start: int, hl: set[int]) -> list[str]:
 
 CONTEXT = 3  # lines kept visible around a note's anchored lines
 FOLD_MIN = 8  # a shorter run of unannotated lines stays visible: folding it would hide less than it costs
+FOLD_SYMBOLS_OVER = 80  # lines; a shorter function is read whole
 
 
 def _fold(lines: list[str], first: int, keep: set[int]) -> str:
@@ -291,6 +305,8 @@ def symbol_page(tree: SourceTree, qualname: str, sub: Subsystem, pin: str, links
         # visible: the row's first lines (a signature, the anchor) and each anchored span with some context
         keep = set(range(s, s + CONTEXT)) | {ln for _, p in cards if p.ok and p.note.anchor
                                             for ln in range(p.span.start - CONTEXT, p.span.end + CONTEXT + 1)}
+        if symbol.span.end - symbol.span.start < FOLD_SYMBOLS_OVER:
+            keep = set(range(s, e + 1))
         code = _fold(lines[s - symbol.span.start : e - symbol.span.start + 1], s, keep)
         notes_html = "".join(_note_card(i, p, links, pin) for i, p in cards)
         rows.append(f'<div class="row{"" if cards else " plain"}"><div class="codecol">{code}</div>'
@@ -343,6 +359,9 @@ def index_page(subs: list[Subsystem], pin: str, links: _Links) -> str:
         parts.append(f'<tr id="concept-{c}"><td>{_both({"en": en, "zh": zh})}</td><td><code>{_e(field)}</code></td>'
                      f'<td>{" ".join(refs) or "—"}</td></tr>')
     parts.append("</table>")
+    if links.traces:
+        items = "".join(f'<li><a class="internal" href="{_e(h)}">{_e(name)}</a></li>' for name, h in links.traces.items())
+        parts.append(f'<h2 id="traces">{_ui("traces")}</h2><ul>{items}</ul>')
     head = (f'<h1>vllm-tour</h1><span class="pin">pin {_e(pin)} · {len(notes)} '
             f'{_ui("notes")}</span>')
     return _page(f"vllm-tour — pin {pin}", head, "".join(parts), "")
@@ -353,7 +372,13 @@ def write_site(out: Path, tree: SourceTree, subs: list[Subsystem], pin: str) -> 
     if (out / "sym").exists():
         shutil.rmtree(out / "sym")  # pages of symbols no longer annotated must not linger
     (out / "sym").mkdir(parents=True, exist_ok=True)
-    links = _Links(subs)
+    from .site_traces import write_trace_pages
+    from .verify import proofs_for_pin
+
+    links = _Links(subs, proofs_for_pin(pin))
+    back = f'<a class="internal" href="../index.html">{_ui("back")}</a>'
+    links.traces = dict(write_trace_pages(out, pin, lambda nid: links.href(nid, ""),
+                                          lambda title, body: _page(title, f"{back}<h1>{_e(title)}</h1>", body, "../")))
     (out / "style.css").write_text(_CSS, encoding="utf-8")
     (out / "pygments.css").write_text(HtmlFormatter(style="friendly").get_style_defs(".code"), encoding="utf-8")
     (out / "site.js").write_text(_JS, encoding="utf-8")

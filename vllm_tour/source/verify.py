@@ -95,6 +95,12 @@ def load_proofs(path: Path) -> dict[str, Proof]:
     return out
 
 
+def proofs_for_pin(pin: str) -> dict[str, Proof]:
+    """The pin's proofs ({} when it has none): what the site marks as proven."""
+    path = PROOFS_DIR / f"{pin}.toml"
+    return load_proofs(path) if path.is_file() else {}
+
+
 def check_pin_installed(pin: str) -> None:
     """Proofs run the live engine: the pin must be the installed vLLM."""
     if pin not in pins.available_pins():

@@ -16,14 +16,22 @@ MAX_NOTES = 3  # per event: the first notes along the journey; `vllm-tour source
 
 @lru_cache(maxsize=4)
 def notes_by_concept(pin: str) -> dict[str, list[tuple[str, str, bool]]]:
-    """concept -> [(note id, its symbol, checked on this pin)] in journey order."""
+    """concept -> [(note id, its symbol, checked on this pin)]: first the notes on code whose probe records the
+    concept's trace field (a preemption is in the scheduler record: the scheduler's notes), then the rest, each
+    group in journey order."""
     from ..source.annotations import load_all, on_pin
+    from ..source.concepts import CONCEPTS
 
-    out: dict[str, list[tuple[str, str, bool]]] = {}
+    found: dict[str, list] = {}
     for sub in on_pin(load_all(), pin):
         for n in sub.notes:
             for c in n.concepts:
-                out.setdefault(c, []).append((n.id, n.symbol, not n.caution))
+                found.setdefault(c, []).append(n)
+    out = {}
+    for c, notes in found.items():
+        kind = CONCEPTS[c][0].split(".")[0]
+        ranked = sorted(notes, key=lambda n: kind not in n.probes)  # stable: journey order within each group
+        out[c] = [(n.id, n.symbol, not n.caution) for n in ranked]
     return out
 
 
