@@ -4,7 +4,7 @@ Each check takes a loaded run (`trace.reader.Run`) and returns its evidence as o
 line; when the claim does not hold it raises `ClaimFailed` with the step and what
 was seen there. Checks read only the trace records (scheduler, kv, runner,
 attention) and the run's meta (engine arguments, prompt token ids, outputs):
-annotations/proofs.toml says which note each one proves, on which scenario.
+annotations/proofs/<pin>.toml says which note each one proves, on which scenario.
 
 Block-pool checks replay the pool from the records: a block handed out is
 "hashless" when it was freed while partly filled (no block hash: upstream caches
