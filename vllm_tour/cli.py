@@ -151,7 +151,9 @@ def annotations_verify(
 ):
     """Prove notes' claims on live upstream runs: each note's check over its scenario's trace (exit 1 if one fails)."""
     from .source.verify import verify
+    from .trace.command import quiet_vllm
 
+    quiet_vllm(False)  # as `compare`: vLLM's INFO lines would bury the table
     raise typer.Exit(verify(console, pin, note, as_json, proofs))
 
 

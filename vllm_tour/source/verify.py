@@ -1,7 +1,7 @@
 """`vllm-tour annotations verify`: prove notes' claims on live upstream runs.
 
 annotations/proofs/<pin>.toml maps a note id to the scenario that shows the
-behaviour, the check (a function in source/proofs.py) that tests it on that
+behaviour, the check (a function in source/proofs/) that tests it on that
 scenario's trace, and the claim in both languages, as true of that pin (the
 file sits apart from the notes, which `annotations` loads from annotations/*.toml):
 
@@ -19,6 +19,9 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
+import sys
+from contextlib import contextmanager
 import tomllib
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -35,8 +38,8 @@ from . import proofs
 from .annotations import LANGS, all_notes, load_all
 
 PROOFS_DIR = ANNOTATIONS_DIR / "proofs"
-CHECKS = {name: fn for name, fn in vars(proofs).items()
-          if inspect.isfunction(fn) and fn.__module__ == proofs.__name__ and not name.startswith("_")}
+CHECKS = {name: fn for mod in proofs.MODULES for name, fn in vars(mod).items()
+          if inspect.isfunction(fn) and fn.__module__ == mod.__name__ and not name.startswith("_")}
 
 
 class Proof(BaseModel):
@@ -133,6 +136,21 @@ def run_proofs(selected: dict[str, Proof], progress: Console) -> list[Verdict]:
     return verdicts
 
 
+@contextmanager
+def _stdout_to_stderr():
+    """vLLM logs to stdout, and so do the engine processes it starts (they inherit fd 1): while engines run,
+    fd 1 is stderr, so that stdout stays the JSON report."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def verify(console: Console, pin: str | None, note_ids: list[str], as_json: bool, proofs_path: Path | None) -> int:
     """Exit code: 0 every claim holds, 1 some claim fails."""
     pin = pin or pins.active_pin_tag()
@@ -143,7 +161,11 @@ def verify(console: Console, pin: str | None, note_ids: list[str], as_json: bool
     if unknown:
         raise TourError(f"no proof for note(s) {', '.join(unknown)} in {path}")
     selected = {n: table[n] for n in (note_ids or table)}
-    verdicts = run_proofs(selected, Console(stderr=True) if as_json else console)
+    if as_json:
+        with _stdout_to_stderr():
+            verdicts = run_proofs(selected, Console(stderr=True))
+    else:
+        verdicts = run_proofs(selected, console)
     failed = [v for v in verdicts if not v.holds]
     if as_json:
         print(json.dumps({"proven": len(verdicts) - len(failed), "failed": len(failed),
