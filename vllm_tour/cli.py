@@ -136,6 +136,14 @@ def annotations_check(
     raise typer.Exit(run_check(console, pin, as_json))
 
 
+@annotations_app.command("lint")
+def annotations_lint():
+    """Lint the Chinese texts: glossary terms and punctuation; `note-id: problem` lines, exit 1 when any."""
+    from .source.commands import run_lint
+
+    raise typer.Exit(run_lint(console))
+
+
 @app.command()
 def site(
     out: Path = typer.Option(Path("site"), "--out", help="Directory to write the static site into."),

@@ -1,4 +1,4 @@
-"""What `source`, `annotations check` and `site` do; cli.py only parses and calls these."""
+"""What `source`, `annotations check`/`lint` and `site` do; cli.py only parses and calls these."""
 
 from __future__ import annotations
 
@@ -76,6 +76,19 @@ def run_check(console: Console, pin_tags: list[str], as_json: bool) -> int:
             console.print(f"[yellow]drift[/] {d.base}→{other} {d.note.id} ({seen}): {d.note.symbol}{anchor}  "
                           f"{d.base_lines} → {d.other_lines}", soft_wrap=True)
     return 1 if rep.problem_count else 0
+
+
+def run_lint(console: Console) -> int:
+    """Exit code: 0 every Chinese text passes the lint, 1 otherwise (one `where: problem` line each)."""
+    from .zh_lint import lint
+
+    subs = load_all()
+    problems = lint(subs)
+    for line in problems:
+        console.print(line, soft_wrap=True, markup=False, highlight=False)
+    texts = sum(1 + len(n.variant) for s in subs for n in s.notes) + 2 * len(subs)
+    console.print(f"{len(problems)} problem(s) in {texts} Chinese texts", style="red" if problems else "green")
+    return 1 if problems else 0
 
 
 def build_site(console: Console, out: Path, pin: str | None) -> Path:
