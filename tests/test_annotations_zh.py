@@ -7,10 +7,11 @@ from rich.console import Console
 
 from vllm_tour.paths import ANNOTATIONS_DIR
 from vllm_tour.source import commands
-from vllm_tour.source.annotations import CJK, join_cjk_lines, load_all
+from vllm_tour.source.annotations import CJK_PUNCT, CJK_WORD, join_cjk_lines, load_all
 from vllm_tour.source.html import _MD
 
-_NEXT_TO_CJK_BREAK = re.compile(f"[{CJK}]\n|\n[{CJK}]")
+# a line break Markdown renders as a space where Chinese has none: beside its punctuation, between its characters
+_SPACED_BREAK = re.compile(f"[{CJK_PUNCT}]\n|\n[{CJK_PUNCT}]|[{CJK_WORD}]\n[{CJK_WORD}]")
 
 
 def _zh_texts(subs):
@@ -22,19 +23,18 @@ def _zh_texts(subs):
             yield from ((f"{n.id} ({pin})", v.zh) for pin, v in n.variant.items())
 
 
-def test_rendered_chinese_has_no_line_break_beside_a_cjk_character():
+def test_rendered_chinese_has_no_wrap_space_where_chinese_has_none():
     """A soft break left in the HTML shows as a space; the files wrap Chinese at ~100 columns."""
     raw = "".join(p.read_text(encoding="utf-8") for p in ANNOTATIONS_DIR.glob("*.toml"))
-    assert len(_NEXT_TO_CJK_BREAK.findall(raw)) > 50  # the files do wrap Chinese lines: the check below can fail
-    bad = [(where, m.group()) for where, zh in _zh_texts(load_all())
-           for m in _NEXT_TO_CJK_BREAK.finditer(_MD.render(zh))]
+    assert len(_SPACED_BREAK.findall(raw)) > 50  # the files do wrap Chinese lines there: the check below can fail
+    bad = [(where, m.group()) for where, zh in _zh_texts(load_all()) for m in _SPACED_BREAK.finditer(_MD.render(zh))]
     assert not bad, bad[:10]
 
 
-def test_join_keeps_markdown_structure():
-    text = ("第一段的第一行，\n第二行接着写 `code`\nand English\n\n"
+def test_join_keeps_markdown_structure_and_the_space_before_a_latin_word():
+    text = ("第一段的第一行，\n第二行接着写 `code`\nand English，每个 rank\n都持有——\n*不是*\n\n"
             "- 列表第一项\n- 第二项，\n  续行\n\n```\n代码\n第二行\n```\n最后一行\n接上")
-    assert join_cjk_lines(text) == ("第一段的第一行，第二行接着写 `code`\nand English\n\n"
+    assert join_cjk_lines(text) == ("第一段的第一行，第二行接着写 `code`\nand English，每个 rank\n都持有——*不是*\n\n"
                                     "- 列表第一项\n- 第二项，续行\n\n```\n代码\n第二行\n```\n最后一行接上")
 
 

@@ -5,8 +5,8 @@ holds no KV) is 占位块, a free block is 空闲块, a block never used since s
 be any of them, so it is never used. The KV pool lives in host memory on the CPU pin: it is the KV 缓存池,
 and 显存 (GPU memory) is said only where the note's English text is about a GPU.
 
-Punctuation: no ASCII space beside a fullwidth mark (Markdown already joins wrapped lines without one, see
-`annotations.join_cjk_lines`), and no half-width `,` `;` `:` between Chinese characters. Code spans are
+Punctuation: no ASCII space beside a fullwidth mark (the loader already joins wrapped lines there without one,
+see `annotations.join_cjk_lines`), and no half-width `,` `;` `:` between Chinese characters. Code spans are
 not checked: they hold upstream code, not Chinese.
 """
 
