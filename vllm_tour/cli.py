@@ -157,6 +157,14 @@ def annotations_verify(
     raise typer.Exit(verify(console, pin, note, as_json, proofs))
 
 
+@annotations_app.command("lint")
+def annotations_lint():
+    """Lint the Chinese texts: glossary terms and punctuation; `note-id: problem` lines, exit 1 when any."""
+    from .source.commands import run_lint
+
+    raise typer.Exit(run_lint(console))
+
+
 @app.command()
 def site(
     out: Path = typer.Option(Path("site"), "--out", help="Directory to write the static site into."),

@@ -23,6 +23,11 @@ a finer anchor — a piece of code text inside that symbol — never a line numb
     en = "..."
     zh = "..."
 
+Chinese texts are wrapped in the file like English ones, but Markdown turns a line break into a space, and
+Chinese puts none between its characters nor beside its punctuation: on load, such a line break is joined without
+one. Between a Chinese character and a Latin word the files write a space, and the line break, rendered as one,
+stays (blank lines, list items, headings and code fences stay as written too).
+
 On a pin the note is not checked on (in none of pins, not_on, variant) it is still shown, with a caution
 that says so, and `annotations check` reports it: a note is a claim, and a claim about other code is
 checked before it teaches.
@@ -34,7 +39,7 @@ import re
 import tomllib
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from ..errors import TourError
 from ..paths import ANNOTATIONS_DIR
@@ -43,12 +48,48 @@ from .concepts import CONCEPTS
 LANGS = ("en", "zh")
 PROBE_KINDS = ("scheduler", "kv", "runner", "attention", "tp_shards", "collective", "moe")
 
+CJK_WORD = "\u2e80-\u2fff\u3040-\u30ff\u3100-\u312f\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff"  # radicals, kana, ideographs
+CJK_PUNCT = "\u3000-\u303f\ufe30-\ufe4f\uff00-\uffef"  # CJK punctuation, compatibility and fullwidth forms
+CJK = CJK_WORD + CJK_PUNCT
+_WORD = re.compile(f"[{CJK_WORD}]")
+_PUNCT = re.compile(f"[{CJK_PUNCT}\u2014\u2018\u2019\u201c\u201d\u2026]")  # with the dashes, quotes, ellipsis it uses
+_BLOCK_START = re.compile(r"\s*([-*+]\s|\d+[.)]\s|#|>|\||```|~~~)")  # Markdown does not run it into the line before
+_BLOCK_LINE = re.compile(r"\s*(#|\||```|~~~)")  # ... nor the line after into it
+_FENCE = re.compile(r"\s*(```|~~~)")
+
+
+def _no_space_between(a: str, b: str) -> bool:
+    return bool(_PUNCT.match(a) or _PUNCT.match(b) or (_WORD.match(a) and _WORD.match(b)))
+
+
+def join_cjk_lines(text: str) -> str:
+    """`text` with each wrapped line joined to the one before where Chinese puts no space between the two sides."""
+    lines: list[str] = []
+    in_fence = False
+    for line in text.split("\n"):
+        prev = lines[-1] if lines else ""
+        if (lines and not in_fence and line.strip() and prev.strip()
+                and not _BLOCK_START.match(line) and not _BLOCK_LINE.match(prev)
+                and not prev.endswith(("  ", "\\"))  # a Markdown hard break stays one
+                and _no_space_between(prev.rstrip()[-1], line.lstrip()[0])):
+            lines[-1] = prev.rstrip() + line.lstrip()
+        else:
+            lines.append(line)
+        if _FENCE.match(line):
+            in_fence = not in_fence
+    return "\n".join(lines)
+
 
 class Variant(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     en: str
     zh: str
+
+    @field_validator("zh")
+    @classmethod
+    def _zh(cls, v: str) -> str:
+        return join_cjk_lines(v)
 
 
 class Note(BaseModel):
@@ -79,10 +120,10 @@ class Note(BaseModel):
 
     @field_validator("en", "zh")
     @classmethod
-    def _text(cls, v: str) -> str:
+    def _text(cls, v: str, info: ValidationInfo) -> str:
         if not v.strip():
             raise ValueError("empty note text")
-        return v.strip()
+        return join_cjk_lines(v.strip()) if info.field_name == "zh" else v.strip()
 
     @field_validator("probes")
     @classmethod
@@ -132,7 +173,7 @@ class Subsystem(BaseModel):
         missing = [lang for lang in LANGS if not v.get(lang, "").strip()]
         if missing:
             raise ValueError(f"missing language(s) {missing}")
-        return v
+        return {**v, "zh": join_cjk_lines(v["zh"])}
 
     def symbols(self) -> list[str]:
         """Annotated symbols in the order their first note appears."""

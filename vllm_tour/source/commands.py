@@ -1,4 +1,4 @@
-"""What `source`, `annotations check` and `site` do; cli.py only parses and calls these."""
+"""What `source`, `annotations check`/`lint` and `site` do; cli.py only parses and calls these."""
 
 from __future__ import annotations
 
@@ -119,6 +119,19 @@ def _accept(console: Console, rep, ids: set[str]) -> None:
                 done.append(f"{nid}@{r.pin}")
     save_checked(stored)
     console.print(f"[dim]accepted {len(done)} note/pin pair(s) into annotations/checked.json[/]")
+
+
+def run_lint(console: Console) -> int:
+    """Exit code: 0 every Chinese text passes the lint, 1 otherwise (one `where: problem` line each)."""
+    from .zh_lint import lint
+
+    subs = load_all()
+    problems = lint(subs)
+    for line in problems:
+        console.print(line, soft_wrap=True, markup=False, highlight=False)
+    texts = sum(1 + len(n.variant) for s in subs for n in s.notes) + 2 * len(subs)
+    console.print(f"{len(problems)} problem(s) in {texts} Chinese texts", style="red" if problems else "green")
+    return 1 if problems else 0
 
 
 def build_site(console: Console, out: Path, pin: str | None) -> Path:

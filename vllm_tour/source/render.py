@@ -19,7 +19,12 @@ from .annotations import Note, caution_text
 from .locate import Placement, locate
 from .resolve import SourceTree, Symbol
 
-_LABEL = {"en": ("note", "orphaned note", "whole symbol"), "zh": ("注解", "失效注解", "整个符号")}
+_LABEL = {
+    "en": {"note": "note", "orphan": "orphaned note", "probes": "probes", "concepts": "concepts", "see": "see",
+           "notes": lambda n: f"{n} note{'s' if n != 1 else ''}"},
+    "zh": {"note": "注解", "orphan": "失效注解", "probes": "探针", "concepts": "概念", "see": "参见",
+           "notes": lambda n: f"{n} 条注解"},
+}
 
 
 def placements(notes: list[Note], tree: SourceTree, symbol: Symbol) -> list[Placement]:
@@ -27,22 +32,22 @@ def placements(notes: list[Note], tree: SourceTree, symbol: Symbol) -> list[Plac
 
 
 def _note_panel(i: int, p: Placement, lang: str, pin: str) -> Panel:
-    word, orphan, _ = _LABEL[lang]
+    label = _LABEL[lang]
     body = [Markdown(p.note.text(lang))]
     tags = []
     if p.note.probes:
-        tags.append("probes: " + ", ".join(p.note.probes))
+        tags.append(f"{label['probes']}: " + ", ".join(p.note.probes))
     if p.note.concepts:
-        tags.append("concepts: " + ", ".join(p.note.concepts))
+        tags.append(f"{label['concepts']}: " + ", ".join(p.note.concepts))
     if p.note.see:
-        tags.append("see: " + ", ".join(p.note.see))
+        tags.append(f"{label['see']}: " + ", ".join(p.note.see))
     if tags:
         body.append(Text("  ·  ".join(tags), style="dim"))
     if p.note.caution:
         body.insert(0, Text("⚠ " + caution_text(p.note, lang, pin), style="yellow"))
     if not p.ok:
-        body.insert(0, Text(f"{orphan}: {p.problem}", style="bold red"))
-    title = f"[{i}] {word} · {p.note.id}"
+        body.insert(0, Text(f"{label['orphan']}: {p.problem}", style="bold red"))
+    title = f"[{i}] {label['note']} · {p.note.id}"
     return Panel(Group(*body), title=title, title_align="left", border_style="yellow" if p.ok else "red")
 
 
@@ -50,7 +55,7 @@ def render(console: Console, tree: SourceTree, symbol: Symbol, notes: list[Note]
     places = placements(notes, tree, symbol)
     rel = symbol.path.relative_to(tree.root.parent)
     console.print(Text.assemble((symbol.qualname, "bold"), f"  {rel}:{symbol.span.start}-{symbol.span.end}  ",
-                                (f"pin {pin} · {len(notes)} note{'s' if len(notes) != 1 else ''} · {lang}", "dim")))
+                                (f"pin {pin} · {_LABEL[lang]['notes'](len(notes))} · {lang}", "dim")))
     numbered = list(enumerate(places, 1))
     top = [(i, p) for i, p in numbered if p.note.anchor is None or not p.ok]
     inline = [(i, p) for i, p in numbered if p.note.anchor is not None and p.ok]
