@@ -119,16 +119,18 @@ def test_check_two_pins_reports_counts_orphans_unchecked_and_drift():
     code2, table = _check(["v0.32.0", "v0.21.0"], as_json=False)
     assert code2 == code
     assert re.search(rf"v0\.21\.0\s*│\s*{old['resolved']}\s*│\s*{old['orphaned']}\s*│\s*{len(old['unchecked'])}\s*│"
-                     rf"\s*{old['not_shown']}\s*│\s*{old['drifted']}", table), table
+                     rf"\s*{len(old['stale'])}\s*│\s*{len(old['unrecorded'])}\s*│\s*{old['not_shown']}\s*│\s*{old['drifted']}",
+                     table), table
 
 
 @pytest.mark.fetches_wheel
 def test_per_pin_applicability_decides_what_is_shown_and_checked(tmp_path, monkeypatch):
     """A note says where it was checked (`pins`), where it does not apply (`not_on`) and a pin's own text
     (`variant`); unchecked on a pin whose code has it, it is shown with a caution and check fails."""
-    from vllm_tour.source import commands
+    from vllm_tour.source import checked, commands
     from vllm_tour.source.annotations import on_pin
 
+    monkeypatch.setattr(checked, "CHECKED_FILE", tmp_path / "checked.json")  # each variant accepted, as reviewed
     src = (ANNOTATIONS_DIR / "block_pool.toml").read_text(encoding="utf-8")
     first = src.index("[[note]]")
     head, body = src[:first], src[first:]
@@ -146,6 +148,8 @@ def test_per_pin_applicability_decides_what_is_shown_and_checked(tmp_path, monke
         d.mkdir()
         (d / "block_pool.toml").write_text(head + "[[note]]" + one.rstrip() + "\n" + extra, encoding="utf-8")
         monkeypatch.setattr(commands, "load_all", lambda d=d: load_all(d))
+        (tmp_path / "checked.json").unlink(missing_ok=True)
+        commands.run_check(Console(file=io.StringIO()), ["v0.32.0", "v0.21.0"], False, accept_all=True)
         code, out = _check(["v0.32.0", "v0.21.0"], as_json=True)
         old = {p["pin"]: p for p in json.loads(out)["pins"]}["v0.21.0"]
         shown = [x for s in on_pin(load_all(d), "v0.21.0") for x in s.notes]
