@@ -18,7 +18,8 @@ a finer anchor — a piece of code text inside that symbol — never a line numb
     zh = "..."
     pins = ["v0.32.0", "v0.21.0"]              # the pins this text was checked against, and holds on
                                                # (default: the file's `pin`)
-    not_on = ["v0.21.0"]                       # the code is there, but the note does not apply: not shown
+    not_on = ["v0.21.0"]                       # the note does not apply there (its code is missing or behaves
+                                               # otherwise): not shown
     [note.variant."v0.21.0"]                   # this pin's own text (checked against that pin)
     en = "..."
     zh = "..."
