@@ -16,6 +16,16 @@ from ..trace.reader import Run, Step, load_run
 from .concepts import CONCEPTS
 
 
+HEADERS = ({"en": "step", "zh": "步"}, {"en": "batch (request×tokens)", "zh": "批次（请求×token）"},
+           {"en": "events → notes", "zh": "事件 → 注解"}, {"en": "free blocks", "zh": "空闲块"})
+
+
+def _both(texts: dict[str, str]) -> str:
+    from .html import _both as both  # the site's bilingual markup (html imports this module when it writes)
+
+    return both(texts)
+
+
 def _e(s: str) -> str:
     return html.escape(str(s), quote=True)
 
@@ -77,8 +87,7 @@ def trace_page(run: Run, pin: str, note_href) -> tuple[str, str]:
     reqs = "; ".join(f"{r.req_id}: {len(r.prompt_token_ids or [])} prompt tokens, max {r.max_tokens}" for r in meta.requests)
     body = (f'<p class="muted">{_e(meta.model)} · pin {_e(meta.pin)} · {len(run.steps)} steps · {_e(reqs)} · '
             f'<code>vllm-tour show {_e(run.path.name)}</code></p>'
-            f'<table class="concepts trace"><tr><th>step</th><th>batch (request×tokens)</th><th>events → notes</th>'
-            f'<th>free blocks</th></tr>{"".join(rows)}</table>')
+            f'<table class="concepts trace"><tr>{"".join(f"<th>{_both(h)}</th>" for h in HEADERS)}</tr>{"".join(rows)}</table>')
     return f"trace {run.path.name}", body
 
 
