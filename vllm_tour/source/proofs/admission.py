@@ -6,8 +6,6 @@ from ...trace.reader import Run
 from ._common import _block_size, _cdiv, _first_scheduled, _need, _sched_steps, _shown
 
 
-
-
 def _waiting_steps(run: Run, rid: str):
     """Steps in which `rid` had arrived (scheduled from arrival_step + 1) but was not yet admitted."""
     arrival = next(r.arrival_step for r in run.meta.requests if r.req_id == rid)

@@ -8,8 +8,6 @@ from ...trace.reader import Run
 from ._common import _block_size, _need, _sched_steps, _shown
 
 
-
-
 @dataclass
 class Handout:
     step: int

@@ -6,8 +6,6 @@ from ...trace.reader import Run
 from ._common import _block_size, _need, _sched_steps, _shown
 
 
-
-
 def _owed(e) -> int:
     return e.num_prompt_tokens + e.num_output_tokens - e.num_computed_tokens
 

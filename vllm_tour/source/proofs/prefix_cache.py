@@ -7,8 +7,6 @@ from .block_pool import _replay_pool
 from ._common import _block_size, _first_scheduled, _need, _sched_steps, _shown, _tokens
 
 
-
-
 def _earlier_tables(run: Run, upto: int) -> dict[str, list[int]]:
     """Each request's largest block table seen before step `upto`."""
     seen: dict[str, list[int]] = {}
@@ -81,7 +79,6 @@ def block_hash_covers_prefix(run: Run) -> str:
                 found.append(f"{r}'s block {later[0]} holds the same {bs} tokens as {other}'s block {later[0]}, but "
                              f"their earlier blocks differ: {r} hit {n_hit} blocks at step {first[r]}")
     return _shown(found, "two requests with an equal block after a differing one")
-
 
 
 def hit_capped_below_prompt(run: Run) -> str:

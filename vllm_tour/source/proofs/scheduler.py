@@ -6,8 +6,6 @@ from ...trace.reader import Run
 from ._common import _block_size, _cdiv, _first_scheduled, _need, _sched_steps, _shown
 
 
-
-
 def _admission_order(run: Run):
     """Per step: `running` as schedule() found it (admission order), replayed from the records."""
     running: list[str] = []
