@@ -17,6 +17,8 @@ deadline, so a hang costs that step only; results go under OUT):
            bf16: vLLM's rule (first differing greedy token: each side's
            token in the other's top-5 logprobs; stop there)                 tokens.json
   race     vllm_tour/bench/race_gpu.py                                      race.json
+  repro    the repro library's files that speak about this pin, each run
+           with its expectations checked; run dirs + repro.json         traces/repro-<name>/, repro.json
   pack     traces.tar.gz (the trace runs, small), summary.json
 
 `archive` (run by cuda_run.sh last) folds OUT into one results.tar.gz under 16 MiB
@@ -63,9 +65,9 @@ COMPARE_SCENARIOS = ("cmp_single", "cmp_chunked", "cmp_preempt", "cmp_shared_pre
 # the default modules are single-device; reimpl.tp (world size 2) is asked for with --modules on the 2-GPU
 # machine; reimpl.ep judges MoE records, which the probes write on the CPU pin only
 MODULES = tuple(name for name, m in COMPARE_MODULES.items() if m.world_size == 1 and not m.moe_only)
-STEPS = ("doctor", "race", "trace", "compare", "tokens", "pack")  # the race first: the one figure that needs minutes
+STEPS = ("doctor", "race", "trace", "compare", "tokens", "repro", "pack")  # the race first: the one figure that needs minutes
 # Seconds each step is given at most (the overall deadline may give less).
-STEP_LIMITS = {"doctor": 60, "trace": 240, "compare": 150, "tokens": 150, "race": 420, "pack": 30}
+STEP_LIMITS = {"doctor": 60, "trace": 240, "compare": 150, "tokens": 150, "repro": 150, "race": 420, "pack": 30}
 RESERVE_S = 25  # kept back for packing whatever exists
 ARCHIVE_MAX_BYTES = 15 << 20  # one file back is at most 16 MiB
 TRITON_F32_ENV = "TRITON_F32_DEFAULT"
@@ -396,6 +398,37 @@ def cmd_tokens(a) -> int:
     return 0 if ok else 1
 
 
+def cmd_repro(a) -> int:
+    """The repro library's files that speak about this pin, run here: each run directory goes under
+    OUT/traces/repro-<name>/ with a repro.json (verdict, the engine's failure and ERROR lines, every check), so that
+    CI re-checks the expectations on these records on a machine without this pin (tests/test_repro_cuda.py)."""
+    from ..repro import installed_pin, run_repro
+    from ..repro_library import library
+    from ..scenario import load_scenario
+
+    here = installed_pin()
+    rows = []
+    for path in library():
+        sc = load_scenario(path)
+        if here not in sc.pins():
+            continue  # a file without expectations for this pin (e.g. the CPU-only EP crash)
+        run_dir = Path(a.out) / "traces" / f"repro-{sc.name}"
+        t0 = time.time()
+        try:
+            res = run_repro(path, run_dir=run_dir, force=True)
+            row = {"repro": sc.name, "pin": here, "verdict": res.verdict, "as_declared": res.as_declared,
+                   "failure": res.failure, "log_errors": res.log_errors,
+                   "checks": [{"key": c.key, "ok": c.ok, "evidence": c.evidence} for c in res.checks]}
+            (run_dir / "repro.json").write_text(json.dumps(row, indent=1))
+        except Exception as e:  # noqa: BLE001 - TourError = could not run
+            row = {"repro": sc.name, "pin": here, "verdict": "could_not_run", "error": f"{type(e).__name__}: {e}"[:1500]}
+        row["seconds"] = round(time.time() - t0, 1)
+        rows.append(row)
+        print(f"[repro] {sc.name} on {here}: {row['verdict']} (declared {sc.declared_verdict(here)})", flush=True)
+        (Path(a.out) / "repro.json").write_text(json.dumps(rows, indent=1))
+    return 0 if rows and all(r.get("as_declared") for r in rows) else 1
+
+
 # --- the orchestrator --------------------------------------------------------------------------
 
 
@@ -410,6 +443,7 @@ def step_commands(a) -> dict[str, list[str]]:
         "compare": [py, "-m", me, "compare", *common, "--scenarios", ",".join(a.compare_scenarios),
                     "--modules", ",".join(a.modules)],
         "tokens": [py, "-m", me, "tokens", *common, "--scenarios", ",".join(a.compare_scenarios), "--pin", a.pin],
+        "repro": [py, "-m", me, "repro", "--out", str(a.out)],
         "race": [py, str(REPO / "vllm_tour" / "bench" / "race_gpu.py"), "--json", str(Path(a.out) / "race.json"),
                  "--sides", a.race_sides],
     }
@@ -493,6 +527,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = common(sub.add_parser("tokens"))
     p.add_argument("--scenarios", required=True)
     p.add_argument("--pin", default=cuda_pin, help="upstream's engine arguments and the reimpl's policies follow this pin's profile")
+    common(sub.add_parser("repro", help="the repro library's files for this pin, run here"))
     p = sub.add_parser("archive", help="fold OUT into one results.tar.gz under 16 MiB (captures left out)")
     p.add_argument("--out", default=os.environ.get("OUT", "traces/runs/gpu"))
     return ap
@@ -512,7 +547,7 @@ def main(argv=None) -> int:
     if a.cmd == "archive":
         print(json.dumps(archive(Path(a.out))), flush=True)
         return 0
-    return {"all": cmd_all, "trace": cmd_trace, "compare": cmd_compare, "tokens": cmd_tokens}[a.cmd](a)
+    return {"all": cmd_all, "trace": cmd_trace, "compare": cmd_compare, "tokens": cmd_tokens, "repro": cmd_repro}[a.cmd](a)
 
 
 if __name__ == "__main__":
