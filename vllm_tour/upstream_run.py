@@ -44,6 +44,7 @@ CAPTURE_NAMES = ("attn_out", "kv_blocks", "tp", "router_logits", "moe_out", "moe
 
 _ENV_PREFIXES = ("VLLM_", "OMP_", "KMP_", "MKL_", "TORCH_", "PYTORCH_", "TRITON_", "CUDA_VISIBLE_DEVICES", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "LD_PRELOAD")
 _SECRET = re.compile(r"KEY|TOKEN|SECRET|PASSW|AUTH|CREDENTIAL", re.I)
+_SECRET_ARG = re.compile(r"hf_token|api_key|secret|passw|credential", re.I)  # EngineArgs names (token budgets are fine)
 
 
 def env_allow_list() -> dict[str, str]:
@@ -115,7 +116,30 @@ def engine_kwargs(scenario: Scenario, model_path: Path, pin: str) -> dict:
         if backend:
             kw["attention_config"] = {"backend": backend}
     kw.update(profile.engine_args)
+    kw.update(extra_engine_args(e.extra, typed=kw.keys() - profile.engine_args.keys()))
     return kw
+
+
+def extra_engine_args(extra: dict, typed) -> dict:
+    """engine.extra, checked against the installed EngineArgs: an unknown name, or one the typed
+    fields already set (`typed`), is a TourError before any engine starts. It may override the pin
+    profile's engine_args (e.g. async_scheduling on v0.21.0)."""
+    if not extra:
+        return {}
+    import dataclasses
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    known = {f.name for f in dataclasses.fields(EngineArgs)}
+    for name in extra:
+        if name not in known:
+            raise TourError(f"engine.extra.{name}: the installed vLLM's EngineArgs has no field {name!r}")
+        if _SECRET_ARG.search(name):
+            raise TourError(f"engine.extra.{name}: not accepted (meta.json records every engine argument; no secrets)")
+        if name in typed:
+            raise TourError(f"engine.extra.{name}: set by the scenario's typed [engine] fields (model, block_size, "
+                            "num_blocks, ...); give it there")
+    return dict(extra)
 
 
 def check_pin(tag: str):
