@@ -46,8 +46,8 @@ def run_scheduler(scenario: Scenario, run_dir: Path, progress: Progress | None =
     check_pin(tag)
     model_path = resolve_model(scenario.model)
     scenario.check_model(model_path)
+    kwargs = engine_kwargs(scenario, model_path, tag)  # a bad engine.extra fails here, before vLLM is imported
     check_probes(tag, probes=scheduler_probes())
-    kwargs = engine_kwargs(scenario, model_path, tag)
     tokenizer = _tokenizer(model_path)
     prompts = {r.req_id: list(r.prompt_token_ids) if r.prompt_token_ids is not None else tokenizer.encode(r.prompt).ids
                for r in scenario.requests}

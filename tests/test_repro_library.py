@@ -1,0 +1,118 @@
+"""The repro library (traces/repros/): verdicts per pin, the scheduler-only harness, raw engine options.
+
+Every repro of the library runs here on the CPU pin and its verdict is asserted against the file's
+declared one; the v0.21.0 expectations are reported as not run (the GPU machine runs them).
+"""
+
+import re
+
+import pytest
+
+from vllm_tour.errors import TourError
+from vllm_tour.repro import check_expectations
+from vllm_tour.repro_library import REPROS_DIR, library
+from vllm_tour.scenario import load_scenario, scenario_from_dict
+from vllm_tour.trace.reader import load_run
+
+
+def test_every_repro_in_the_library_runs_here_as_declared(cli):
+    p = cli("repro", "--all", columns=400, timeout=600)
+    assert p.returncode == 0, p.stdout[-6000:] + p.stderr[-3000:]
+    out = p.stdout
+    assert "every verdict as declared" in out
+    rows = {line.split("│")[1].strip(): line for line in out.splitlines() if line.count("│") > 4}
+    names = [load_scenario(f).name for f in library()]
+    assert len(names) >= 6 and set(names) <= set(rows)
+    for f in library():
+        sc = load_scenario(f)
+        row = rows[sc.name]
+        assert f"{sc.declared_verdict('v0.32.0')}" in row, row
+        assert re.search(r"│\s*" + re.escape(sc.declared_verdict("v0.32.0")) + r"\s*│", row), row
+        if "v0.21.0" in sc.pins():
+            assert f"not run here; declared {sc.declared_verdict('v0.21.0')}" in row
+        assert f"[{names.index(sc.name) + 1}/{len(names)}] {sc.name}: running on v0.32.0" in out  # progress
+    # at least two fixes that landed between the pins: one pin reproduces, the other does not
+    differ = [f for f in library() if len({load_scenario(f).declared_verdict(p) for p in ("v0.21.0", "v0.32.0")}) == 2]
+    assert len(differ) >= 2
+    # the evidence, one line per repro
+    assert "r0 scheduled in 1 steps: step 1: 100" in rows["long_prefill_lone_request"]
+    assert "estimated maximum model length is 96" in rows["kv_capacity_null_block"]
+
+
+@pytest.fixture(scope="module")
+def hol_run(tmp_path_factory):
+    """head_of_line_blocking through the scheduler-only harness, in this process."""
+    from vllm_tour.sched_harness import run_scheduler
+
+    sc = load_scenario(REPROS_DIR / "head_of_line_blocking.toml")
+    return sc, load_run(run_scheduler(sc, tmp_path_factory.mktemp("hol") / "run"))
+
+
+def test_scheduler_harness_records_like_a_run(hol_run):
+    sc, run = hol_run
+    assert run.meta.status == "ok" and run.meta.engine_args["mode"] == "scheduler"
+    assert run.meta.engine_args["scheduler_cls"] == "Scheduler"
+    assert all(s.scheduler and s.kv and not s.runner and not s.attention for s in run.steps)
+    first = {r: min(s.index for s in run.steps for x in s.scheduler.scheduled if x.req_id == r) for r in ("running", "big", "small")}
+    assert first["running"] == 1 and first["small"] >= first["big"] > 30  # both wait until `running` finishes
+    assert {o.req_id: len(o.token_ids) for o in run.outputs.requests} == {"running": 40, "big": 2, "small": 2}
+    s3 = run.step(3)
+    assert s3.kv.free_blocks == 3 and [x.req_id for x in s3.scheduler.scheduled] == ["running"]
+
+
+def test_scheduling_expectations_fail_with_evidence_when_they_do_not_hold(hol_run):
+    sc, run = hol_run
+    ex = sc.expect.model_copy(update={"blocked_behind": {"big": "small"}, "stalled": {"small": 100},
+                                      "max_scheduled_tokens": {"running": 32}, "never_scheduled": ["small"]})
+    checks = {c.key: c for c in check_expectations(sc, run, None, [], ex)}
+    assert not checks["blocked_behind.big = small"].ok and "arrived at step 3, after big" in checks["blocked_behind.big = small"].evidence[0]
+    assert not checks["stalled.small >= 100 steps"].ok and "38 consecutive steps (3..40)" in checks["stalled.small >= 100 steps"].evidence[0]
+    assert not checks["max_scheduled_tokens.running <= 32"].ok and "step 1: 64" in checks["max_scheduled_tokens.running <= 32"].evidence[0]
+    assert not checks["never_scheduled: small"].ok and "scheduled 10 tokens" in checks["never_scheduled: small"].evidence[0]
+
+
+def test_unknown_extra_engine_option_is_one_line_exit_2(tmp_path, cli):
+    sc = tmp_path / "s.toml"
+    sc.write_text('name = "x"\nmode = "scheduler"\n[engine.extra]\nno_such_option = 1\n'
+                  '[[requests]]\nid = "r0"\nprompt = "hi"\n[expect]\npreempted = ["r0"]\n')
+    p = cli("repro", sc, "--out", tmp_path / "run", timeout=120, columns=250)
+    assert p.returncode == 2 and "REPRODUCED" not in p.stdout
+    assert p.stderr.strip() == "error: engine.extra.no_such_option: the installed vLLM's EngineArgs has no field 'no_such_option'"
+    assert not (tmp_path / "run" / "meta.json").exists()  # it failed before anything ran
+
+
+def test_extra_options_reach_engine_args_and_typed_ones_are_refused():
+    from vllm_tour.upstream_run import extra_engine_args
+
+    assert extra_engine_args({"long_prefill_token_threshold": 32}, typed={"block_size"}) == {"long_prefill_token_threshold": 32}
+    with pytest.raises(TourError, match="engine.extra.block_size: set by the scenario's typed"):
+        extra_engine_args({"block_size": 64}, typed={"block_size"})
+    with pytest.raises(TourError, match="no secrets"):
+        extra_engine_args({"hf_token": "x"}, typed=set())
+
+
+def _sc(expect: dict, **kw):
+    return scenario_from_dict({"name": "x", "requests": [{"id": "r0", "prompt": "p"}, {"id": "r1", "prompt": "q"}],
+                               "expect": expect, **kw})
+
+
+def test_per_pin_expectations_merge_on_the_common_ones():
+    sc = _sc({"preempted": ["r0"], "v0.21.0": {"never_scheduled": ["r1"]}, "v0.32.0": {"preempted": ["r1"]}},
+             verdicts={"v0.32.0": "NOT REPRODUCED"})
+    assert sc.pins() == ["v0.21.0", "v0.32.0"]
+    assert sc.expect_for("v0.21.0").keys() == ["preempted", "never_scheduled"]
+    assert sc.expect_for("v0.32.0").preempted == ["r1"]  # the pin's own key wins
+    assert sc.declared_verdict("v0.21.0") == "REPRODUCED" and sc.declared_verdict("v0.32.0") == "NOT REPRODUCED"
+    with pytest.raises(TourError, match="expect names unknown request ids: r9"):
+        _sc({"v0.21.0": {"stalled": {"r9": 3}}})
+    with pytest.raises(TourError, match="verdicts names pin v0.30.0 but there are no expectations"):
+        _sc({"v0.21.0": {"preempted": ["r0"]}}, verdicts={"v0.30.0": "REPRODUCED"})
+
+
+def test_a_repro_for_another_pin_only_is_not_run_here(tmp_path, cli):
+    sc = tmp_path / "s.toml"
+    sc.write_text('name = "x"\n[[requests]]\nid = "r0"\nprompt = "hi"\n[expect."v0.21.0"]\npreempted = ["r0"]\n')
+    p = cli("repro", sc, timeout=120, columns=250)
+    assert p.returncode == 2 and "REPRODUCED" not in p.stdout
+    assert p.stderr.strip() == f"error: scenario {sc} has expectations for v0.21.0 only; this machine runs v0.32.0 " \
+                               "(see `vllm-tour repro --all` for the other pins' status)"
