@@ -35,8 +35,9 @@ def test_every_repro_in_the_library_runs_here_as_declared(cli):
     differ = [f for f in library() if len({load_scenario(f).declared_verdict(p) for p in ("v0.21.0", "v0.32.0")}) == 2]
     assert len(differ) >= 2
     # the evidence, one line per repro
-    assert "r0 scheduled in 1 steps: step 1: 100" in rows["long_prefill_lone_request"]
-    assert "estimated maximum model length is 96" in rows["kv_capacity_null_block"]
+    assert "r0 scheduled in 3 steps: step 1: 100, step 2: 1" in rows["long_prefill_lone_request"]
+    assert "engine failed: ValueError: To serve at least one request with the model's max seq len (128)" in rows["kv_capacity_null_block"]
+    assert "small got no token in 38 consecutive steps" in rows["head_of_line_blocking"]
 
 
 @pytest.fixture(scope="module")

@@ -67,7 +67,7 @@ def scheduling_checks(ex: ExpectSpec, run: Run, failure: str | None):
             continue
         alive = [s for s in steps if _alive(life[rid], s)]
         ev = [f"{rid} ({life[rid].prompt_len} prompt tokens) was in the engine for {len(alive)} steps "
-              f"({alive[0].index}..{alive[-1].index}) and never got a token" if alive else f"{rid}: no traced step after its arrival"]
+              f"({alive[0].index}..{alive[-1].index}) and never got a token" if alive else "no step was traced after its arrival"]
         if alive and alive[-1].kv:
             kv = alive[-1].kv
             ev.append(f"step {alive[-1].index}: {kv.free_blocks} of {kv.num_blocks} blocks free, "

@@ -26,12 +26,15 @@ def library() -> list[Path]:
     return sorted(REPROS_DIR.glob("*.toml")) + sorted(SCENARIOS_DIR.glob("repro_*.toml"))
 
 
-def _evidence(res) -> str:
-    """One line: the first unmet expectation's evidence, else the first met one's."""
-    c = next((c for c in res.checks if not c.ok), None) or (res.checks[0] if res.checks else None)
-    if c is None:
-        return ""
-    return f"{c.key}: {c.evidence[0] if c.evidence else ''}"
+def _evidence(res, width: int = 150) -> str:
+    """One line: the engine's failure when it failed, else the first unmet expectation's evidence
+    (the first met one's when all hold)."""
+    if res.failure:
+        line = f"engine failed: {res.failure.splitlines()[0]}"
+    else:
+        c = next((c for c in res.checks if not c.ok), None) or res.checks[0]
+        line = f"{c.key}: {c.evidence[0] if c.evidence else ''}"
+    return line if len(line) <= width else line[:width - 1] + "…"
 
 
 def run_all(console: Console, paths: list[Path] | None = None) -> int:
@@ -67,7 +70,7 @@ def run_all(console: Console, paths: list[Path] | None = None) -> int:
     table.add_column("upstream")
     for p in all_pins:
         table.add_column(p)
-    table.add_column("evidence", overflow="fold")
+    table.add_column("evidence", no_wrap=True, min_width=60)
     for sc, cells, evidence in rows:
         refs = " ".join(x for x in (f"#{sc.issue}" if sc.issue else "", f"PR #{sc.pr}" if sc.pr else "") if x)
         table.add_row(escape(sc.name), refs, *[cells.get(p, "-") for p in all_pins], escape(evidence))
