@@ -101,6 +101,48 @@ def scheduling_checks(ex: ExpectSpec, run: Run, failure: str | None):
 
     for rid, earlier in ex.blocked_behind.items():
         checks.append(_blocked_check(rid, earlier, life, steps, run, failure))
+    if ex.kv_events or ex.kv_removed_while_cached is not None:
+        checks.extend(_kv_event_checks(ex, run, failure))
+    return checks
+
+
+def _kv_event_checks(ex: ExpectSpec, run: Run, failure: str | None):
+    """From kv_events.json, the events the scheduler published (scheduler mode with kv_events_config on)."""
+    import json
+
+    from .repro import Check
+    from .sched_harness import KV_EVENTS_FILE
+
+    path = run.path / KV_EVENTS_FILE
+    if not path.is_file():
+        why = [f"no {KV_EVENTS_FILE}: KV events are recorded in scheduler mode with "
+               "engine.extra.kv_events_config = {enable_kv_cache_events = true}"] + _end_note(run, failure)
+        return [Check(f"kv_events.{k} = {n}", False, why) for k, n in ex.kv_events.items()] + (
+            [Check(f"kv_removed_while_cached = {str(ex.kv_removed_while_cached).lower()}", False, why)]
+            if ex.kv_removed_while_cached is not None else [])
+    events = json.loads(path.read_text(encoding="utf-8"))["events"]
+    checks = []
+    for kind, want in ex.kv_events.items():
+        got = [(e["step"], len(e["block_hashes"])) for e in events if e["type"] == kind]
+        n = sum(k for _, k in got)
+        ev = [f"{n} block hashes in {len(got)} {kind} events" + (": " + ", ".join(f"step {s}: {k}" for s, k in got[:8])
+                                                                 + (" ..." if len(got) > 8 else "") if got else "")]
+        checks.append(Check(f"kv_events.{kind} = {want}", n == want, ev + _end_note(run, failure)))
+    if ex.kv_removed_while_cached is not None:
+        copies: dict[str, int] = {}  # hash -> stored copies still cached, after each step's events
+        hits = []
+        for step in sorted({e["step"] for e in events}):
+            removed = []
+            for e in (e for e in events if e["step"] == step):
+                for h in e["block_hashes"]:
+                    copies[h] = copies.get(h, 0) + (1 if e["type"] == "BlockStored" else -1 if e["type"] == "BlockRemoved" else 0)
+                    if e["type"] == "BlockRemoved":
+                        removed.append(h)
+            hits += [f"step {step}: BlockRemoved {h[:16]}… while {copies[h]} stored copy of it stays cached"
+                     for h in dict.fromkeys(removed) if copies[h] > 0]
+        want = ex.kv_removed_while_cached
+        ev = hits[:2] or [f"every BlockRemoved named a hash with no other stored copy ({len(events)} events)"]
+        checks.append(Check(f"kv_removed_while_cached = {str(want).lower()}", bool(hits) == want, ev))
     return checks
 
 

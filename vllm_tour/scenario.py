@@ -99,6 +99,11 @@ class ExpectSpec(BaseModel):
     # waiting request -> an earlier waiting request: at some step both wait, the first would fit
     # (free blocks, token budget) but is not admitted while the earlier one does not fit
     blocked_behind: dict[str, str] = {}
+    # KV events (scheduler mode, engine.extra.kv_events_config on): block hashes per event type, exactly
+    # (BlockStored, BlockRemoved, AllBlocksCleared)
+    kv_events: dict[Literal["BlockStored", "BlockRemoved", "AllBlocksCleared"], int] = {}
+    # true: some BlockRemoved names a hash while another stored copy of it is still cached
+    kv_removed_while_cached: bool | None = None
 
     def keys(self) -> list[str]:
         return [k for k in type(self).model_fields if getattr(self, k) not in (None, [], {})]
@@ -112,6 +117,17 @@ class ExpectSpec(BaseModel):
         if other is None:
             return self
         return self.model_copy(update={k: getattr(other, k) for k in other.keys()})
+
+
+class RequestOptions(BaseModel):
+    """Upstream request fields the scenario's requests do not type (scheduler mode: they shape block hashes
+    and KV events, which is all the scheduler reads of them)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    cache_salt: str | None = None
+    lora_name: str | None = None  # a LoRARequest with this name (path /lora/<name>): the scheduler hashes it, never loads it
+    sampling_extra_args: dict[str, Any] = {}  # SamplingParams.extra_args, e.g. kv_cache_report_mode = "full"
 
 
 Verdict = Literal["REPRODUCED", "NOT REPRODUCED"]
@@ -139,6 +155,7 @@ class Scenario(BaseModel):
     # fabricated model outputs (sched_harness.py): no model forward, seconds on CPU
     mode: Literal["engine", "scheduler"] = "engine"
     max_steps: int = 200  # scheduler mode: the harness stops here, requests unfinished (a stall is a result)
+    request_options: dict[str, RequestOptions] = {}  # request id -> its untyped upstream options (scheduler mode)
 
     @model_validator(mode="before")
     @classmethod
@@ -186,6 +203,11 @@ class Scenario(BaseModel):
             for rid, earlier in ex.blocked_behind.items():
                 if rid == earlier:
                     raise ValueError(f"expect.blocked_behind: {rid} cannot wait behind itself")
+        unknown = sorted(set(self.request_options) - set(ids))
+        if unknown:
+            raise ValueError(f"request_options names unknown request ids: {', '.join(unknown)}")
+        if self.request_options and self.mode != "scheduler":
+            raise ValueError('request_options are passed by the scheduler-only harness: set mode = "scheduler"')
         for pin in self.verdicts:
             if self.expect_for(pin) is None:
                 raise ValueError(f"verdicts names pin {pin} but there are no expectations for it")

@@ -22,10 +22,13 @@ from pathlib import Path
 
 from . import __version__
 from .errors import TourError
-from .scenario import Scenario
+from .scenario import RequestOptions, Scenario
 from .trace.schema import Outputs, RequestOutput, RunMeta
 from .trace.writer import RECORDER, write_json_atomic
 from .upstream_run import Progress, check_pin, engine_kwargs, env_allow_list, platform_info
+
+
+KV_EVENTS_FILE = "kv_events.json"  # the KV events the scheduler published, by step (kv_events_config on)
 
 
 def scheduler_probes():
@@ -72,6 +75,7 @@ def run_scheduler(scenario: Scenario, run_dir: Path, progress: Progress | None =
             sched = _make_scheduler(kwargs, async_sched)
             install_all(tag, probes=scheduler_probes())
             RECORDER.activate(run_dir.resolve())
+            events = sched.kv_event_publisher = _EventLog()
             outputs = _drive(sched, scenario, prompts, progress)
     except BaseException as e:
         meta.status, meta.error, meta.finished = "failed", f"{type(e).__name__}: {e}"[:2000], time.time()
@@ -82,6 +86,8 @@ def run_scheduler(scenario: Scenario, run_dir: Path, progress: Progress | None =
                         f"(run dir {run_dir})") from e
     finally:
         RECORDER.deactivate()
+    if sched.kv_events_config is not None and sched.kv_events_config.enable_kv_cache_events:
+        write_json_atomic(run_dir / KV_EVENTS_FILE, {"events": events.events})
     write_json_atomic(run_dir / "outputs.json", Outputs(requests=outputs).model_dump(mode="json"))
     meta.status, meta.finished = "ok", time.time()
     write_json_atomic(run_dir / "meta.json", meta.model_dump(mode="json"))
@@ -101,6 +107,8 @@ def _make_scheduler(kwargs: dict, async_sched: bool):
 
     config = EngineArgs(**{k: v for k, v in kwargs.items() if k != "use_tqdm_on_load"}).create_engine_config()
     config.scheduler_config.async_scheduling = async_sched  # the platform's choice, overridden: that is the point
+    if config.kv_events_config is not None:
+        config.kv_events_config.publisher = "null"  # never a ZMQ socket: the harness collects the events itself
     mc, pc, cc = config.model_config, config.parallel_config, config.cache_config
     spec = FullAttentionSpec(block_size=cc.block_size, num_kv_heads=mc.get_num_kv_heads(pc),
                              head_size=mc.get_head_size(), dtype=torch.float32)
@@ -122,25 +130,44 @@ def _make_scheduler(kwargs: dict, async_sched: bool):
     return sched
 
 
-def _new_request(spec, prompt: list[int], hasher):
+def _new_request(spec, prompt: list[int], hasher, options):
     from vllm import SamplingParams
+    from vllm.lora.request import LoRARequest
     from vllm.v1.request import Request
 
     params = SamplingParams(max_tokens=spec.max_tokens, temperature=spec.temperature, seed=spec.seed,
-                            ignore_eos=bool(spec.ignore_eos))
+                            ignore_eos=bool(spec.ignore_eos), extra_args=dict(options.sampling_extra_args) or None)
+    lora = LoRARequest(options.lora_name, 1, f"/lora/{options.lora_name}") if options.lora_name else None  # never loaded
     return Request(request_id=spec.req_id, prompt_token_ids=prompt, sampling_params=params, pooling_params=None,
-                   block_hasher=hasher)
+                   block_hasher=hasher, cache_salt=options.cache_salt, lora_request=lora)
 
 
-def _model_output(out, prefill_chunks: set[str]):
+class _EventLog:
+    """Stands in for the scheduler's KV-event publisher: keeps each published event with its step."""
+
+    def __init__(self):
+        self.events: list[dict] = []
+
+    def publish(self, batch) -> None:
+        for e in batch.events:
+            hashes = getattr(e, "block_hashes", None) or []
+            self.events.append({"step": RECORDER.sched_step, "type": type(e).__name__,
+                                "block_hashes": [h.hex() if isinstance(h, bytes) else str(h) for h in hashes]})
+
+    def shutdown(self) -> None:
+        pass
+
+
+def _model_output(out, prefill_chunks: set[str], requests: dict):
     """What a model runner would return for `out`: one token per request, none for a prefill chunk
-    (the runner discards what it samples there). The token is a function of the position, so runs repeat."""
+    (the runner discards what it samples there). The token is a function of the request's output
+    length, so identical requests generate identical tokens (and fill identical blocks)."""
     from vllm.v1.outputs import ModelRunnerOutput
 
     req_ids = list(out.num_scheduled_tokens)
     return ModelRunnerOutput(
         req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-        sampled_token_ids=[[] if r in prefill_chunks else [100 + len(req_ids) + i] for i, r in enumerate(req_ids)],
+        sampled_token_ids=[[] if r in prefill_chunks else [100 + len(requests[r].output_token_ids) % 100] for r in req_ids],
         logprobs=None, prompt_logprobs_dict={}, pooler_output=[],
     )
 
@@ -154,7 +181,8 @@ def _drive(sched, scenario: Scenario, prompts: dict[str, list[int]], progress: P
     while pending or sched.has_unfinished_requests() or in_flight:
         while pending and (pending[0].arrival_step <= step or not sched.has_unfinished_requests()):
             r = pending.pop(0)
-            live[r.req_id] = _new_request(r, prompts[r.req_id], sched.tour_block_hasher)
+            options = scenario.request_options.get(r.req_id, RequestOptions())
+            live[r.req_id] = _new_request(r, prompts[r.req_id], sched.tour_block_hasher, options)
             sched.add_request(live[r.req_id])
         if step >= scenario.max_steps:
             break
@@ -166,7 +194,7 @@ def _drive(sched, scenario: Scenario, prompts: dict[str, list[int]], progress: P
             in_flight.append((out, chunks))
         if in_flight and (len(in_flight) >= depth or not out.total_num_scheduled_tokens):
             done, chunks = in_flight.popleft()
-            sched.update_from_output(done, _model_output(done, chunks))
+            sched.update_from_output(done, _model_output(done, chunks, live))
         if progress:
             progress(step, sum(q.is_finished() for q in live.values()), total)
     return [RequestOutput(req_id=rid, prompt_token_ids=prompts[rid], token_ids=list(q.output_token_ids), text="",
