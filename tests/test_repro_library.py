@@ -22,7 +22,7 @@ def test_every_repro_in_the_library_runs_here_as_declared(cli):
     assert "every verdict as declared" in out
     rows = {line.split("│")[1].strip(): line for line in out.splitlines() if line.count("│") > 4}
     names = [load_scenario(f).name for f in library()]
-    assert len(names) >= 6 and set(names) <= set(rows)
+    assert len(names) >= 8 and set(names) <= set(rows)
     for f in library():
         sc = load_scenario(f)
         row = rows[sc.name]
@@ -37,7 +37,10 @@ def test_every_repro_in_the_library_runs_here_as_declared(cli):
     # the evidence, one line per repro
     assert "r0 scheduled in 3 steps: step 1: 100, step 2: 1" in rows["long_prefill_lone_request"]
     assert "engine failed: ValueError: To serve at least one request with the model's max seq len (128)" in rows["kv_capacity_null_block"]
-    assert "small got no token in 38 consecutive steps" in rows["head_of_line_blocking"]
+    assert "big waits (needs 5 blocks, 3 free); small waits though it would fit" in rows["head_of_line_blocking"]
+    assert "4 block hashes in 3 BlockStored events" in rows["kv_events_full_report"]
+    assert "salted: no prefix-cache hit" in rows["cache_salt_vs_lora"]
+    assert "BlockRemoved" in rows["kv_block_removed_per_copy"] and "stored copy of it stays cached" in rows["kv_block_removed_per_copy"]
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +73,61 @@ def test_scheduling_expectations_fail_with_evidence_when_they_do_not_hold(hol_ru
     assert not checks["stalled.small >= 100 steps"].ok and "38 consecutive steps (3..40)" in checks["stalled.small >= 100 steps"].evidence[0]
     assert not checks["max_scheduled_tokens.running <= 32"].ok and "step 1: 64" in checks["max_scheduled_tokens.running <= 32"].evidence[0]
     assert not checks["never_scheduled: small"].ok and "scheduled 10 tokens" in checks["never_scheduled: small"].evidence[0]
+
+
+def _harness(tmp_path, sc):
+    from vllm_tour.sched_harness import run_scheduler
+
+    return load_run(run_scheduler(sc, tmp_path / "run"))
+
+
+def test_cache_salt_is_not_a_lora_name_here_while_the_same_lora_shares_blocks(tmp_path):
+    """The control for cache_salt_vs_lora: the harness hashes LoRA requests, so two under LoRA X share both
+    full blocks; a cache salt X shares none on this pin (v0.21.0: the first block)."""
+    sc = load_scenario(REPROS_DIR / "cache_salt_vs_lora.toml")
+    run = _harness(tmp_path / "salt", sc)
+    assert not any(h.req_id == "salted" and h.num_hit_tokens for s in run.steps for h in s.kv.prefix_hits)
+    assert not check_expectations(sc, run, None, [], sc.expect)[0].ok
+    same = sc.model_copy(update={"request_options": {**sc.request_options, "salted": sc.request_options["lora"]}})
+    run = _harness(tmp_path / "lora", same)
+    hits = [h for s in run.steps for h in s.kv.prefix_hits if h.req_id == "salted"]
+    assert [h.num_hit_tokens for h in hits] == [64]
+    assert run.meta.requests[1].prompt_token_ids == run.meta.requests[0].prompt_token_ids
+
+
+def test_kv_events_are_recorded_and_counted(tmp_path):
+    import json
+
+    sc = load_scenario(REPROS_DIR / "kv_block_removed_per_copy.toml")
+    run = _harness(tmp_path, sc)
+    assert run.meta.engine_args["kv_events_config"] == {"enable_kv_cache_events": True, "publisher": "null"}
+    events = json.loads((run.path / "kv_events.json").read_text())["events"]
+    stored = sum(len(e["block_hashes"]) for e in events if e["type"] == "BlockStored")
+    removed = sum(len(e["block_hashes"]) for e in events if e["type"] == "BlockRemoved")
+    assert stored and removed
+    hashes = [h for e in events if e["type"] == "BlockStored" for h in e["block_hashes"]]
+    assert len(hashes) > len(set(hashes))  # one hash stored in two physical blocks
+    ex = sc.expect.model_copy(update={"kv_events": {"BlockStored": stored, "BlockRemoved": removed + 1},
+                                      "kv_removed_while_cached": False})
+    checks = {c.key: c for c in check_expectations(sc, run, None, [], ex)}
+    assert checks[f"kv_events.BlockStored = {stored}"].ok
+    assert not checks[f"kv_events.BlockRemoved = {removed + 1}"].ok
+    assert f"{removed} block hashes in" in checks[f"kv_events.BlockRemoved = {removed + 1}"].evidence[0]
+    assert not checks["kv_removed_while_cached = false"].ok
+    # without kv_events_config there is no event log, and the check says how to get one
+    plain = sc.model_copy(update={"engine": sc.engine.model_copy(update={"extra": {}})})
+    run = _harness(tmp_path / "plain", plain)
+    c = check_expectations(plain, run, None, [], plain.expect)[0]
+    assert not c.ok and "kv_events_config" in c.evidence[0]
+
+
+def test_request_options_need_the_scheduler_harness():
+    with pytest.raises(TourError, match='request_options are passed by the scheduler-only harness'):
+        scenario_from_dict({"name": "x", "requests": [{"id": "r0", "prompt": "p"}],
+                            "request_options": {"r0": {"cache_salt": "s"}}})
+    with pytest.raises(TourError, match="request_options names unknown request ids: r9"):
+        scenario_from_dict({"name": "x", "mode": "scheduler", "requests": [{"id": "r0", "prompt": "p"}],
+                            "request_options": {"r9": {"cache_salt": "s"}}})
 
 
 def test_unknown_extra_engine_option_is_one_line_exit_2(tmp_path, cli):

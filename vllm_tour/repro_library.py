@@ -28,11 +28,11 @@ def library() -> list[Path]:
 
 def _evidence(res, width: int = 150) -> str:
     """One line: the engine's failure when it failed, else the first unmet expectation's evidence
-    (the first met one's when all hold)."""
+    (when all hold, the last one's: the claim, checked after the requests' own expectations)."""
     if res.failure:
         line = f"engine failed: {res.failure.splitlines()[0]}"
     else:
-        c = next((c for c in res.checks if not c.ok), None) or res.checks[0]
+        c = next((c for c in res.checks if not c.ok), None) or res.checks[-1]
         line = f"{c.key}: {c.evidence[0] if c.evidence else ''}"
     return line if len(line) <= width else line[:width - 1] + "…"
 
