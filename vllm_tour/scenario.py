@@ -13,8 +13,13 @@ and optional expectations that `repro` checks. Example:
     id = "r0"
     prompt = "the quick brown fox"
     max_tokens = 70
-    [expect]                 # optional: what `vllm-tour repro` checks
+    [expect]                 # optional: what `vllm-tour repro` checks, on every pin
     preempted = ["r0"]
+    [expect."v0.21.0"]       # on that pin only, on top of [expect]
+    never_scheduled = ["r0"]
+
+`mode = "scheduler"` runs upstream's Scheduler alone (sched_harness.py);
+`[engine.extra]` passes EngineArgs fields the typed [engine] keys lack.
 """
 
 from __future__ import annotations
