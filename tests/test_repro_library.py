@@ -121,6 +121,23 @@ def test_kv_events_are_recorded_and_counted(tmp_path):
     assert not c.ok and "kv_events_config" in c.evidence[0]
 
 
+def test_the_harness_sizes_the_pool_with_the_pins_own_capacity_check(tmp_path):
+    """kv_capacity_null_block: memory for 4 blocks is refused here (the null block is reserved); memory for 5
+    starts, and r0 (4 blocks) is scheduled at once, so never_scheduled fails with that step as evidence."""
+    from vllm_tour.sched_harness import run_scheduler
+
+    sc = load_scenario(REPROS_DIR / "kv_capacity_null_block.toml")
+    with pytest.raises(TourError) as e:
+        run_scheduler(sc, tmp_path / "four")
+    assert "estimated maximum model length is 96" in str(e.value.__cause__)
+    assert load_run(tmp_path / "four").meta.status == "failed"
+    five = sc.model_copy(update={"engine": sc.engine.model_copy(update={"kv_cache_memory_bytes": 5 * 65536})})
+    run = load_run(run_scheduler(five, tmp_path / "five"))
+    assert run.steps[0].kv.num_blocks == 4  # 5 blocks, one of them the null block
+    c = check_expectations(five, run, None, [], five.expect)[0]
+    assert not c.ok and c.evidence == ["step 1: r0 scheduled 127 tokens"]
+
+
 def test_request_options_need_the_scheduler_harness():
     with pytest.raises(TourError, match='request_options are passed by the scheduler-only harness'):
         scenario_from_dict({"name": "x", "requests": [{"id": "r0", "prompt": "p"}],

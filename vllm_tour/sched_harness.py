@@ -95,13 +95,20 @@ def run_scheduler(scenario: Scenario, run_dir: Path, progress: Progress | None =
 
 
 def _make_scheduler(kwargs: dict, async_sched: bool):
-    """The pinned scheduler over a KV pool of the engine's size, as EngineCore builds it (no workers)."""
+    """The pinned scheduler over a KV pool sized as EngineCore sizes it (no workers: the model's
+    full-attention layers as the spec, fp32 as the tiny models run)."""
     import torch
     from vllm import EngineArgs
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash, resolve_kv_cache_block_sizes
+    from vllm.v1.core.kv_cache_utils import (generate_scheduler_kv_cache_config, get_kv_cache_configs,
+                                             get_request_block_hasher, init_none_hash, resolve_kv_cache_block_sizes)
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    try:
+        from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
+    except ImportError:  # v0.21.0 has no KV layout to resolve
+        resolve_kv_cache_layout = None
     from vllm.v1.structured_output import StructuredOutputManager
     from vllm.utils.hashing import get_hash_fn_by_name
 
@@ -112,12 +119,13 @@ def _make_scheduler(kwargs: dict, async_sched: bool):
     mc, pc, cc = config.model_config, config.parallel_config, config.cache_config
     spec = FullAttentionSpec(block_size=cc.block_size, num_kv_heads=mc.get_num_kv_heads(pc),
                              head_size=mc.get_head_size(), dtype=torch.float32)
-    layers = mc.get_num_layers(pc)
-    # As upstream sizes the pool: the override (num_blocks + the null block), else the memory given.
-    num_blocks = kwargs.get("num_gpu_blocks_override") or kwargs["kv_cache_memory_bytes"] // (spec.page_size_bytes * layers)
-    kv_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
-                              kv_cache_groups=[KVCacheGroupSpec([f"layers.{i}" for i in range(layers)], spec)])
-    cc.num_gpu_blocks = num_blocks
+    specs = {f"model.layers.{i}.self_attn.attn": spec for i in range(mc.get_num_layers(pc))}
+    # The pool as the pin's EngineCore sizes it, from the memory a CPU worker reports (kv_cache_memory_bytes)
+    # or num_gpu_blocks_override: the pin's own capacity check runs here, and may refuse.
+    if resolve_kv_cache_layout is not None:  # v0.32.0 sizes the pool after the workers agree on a layout
+        resolve_kv_cache_layout(config, [["LBHNC"]], specs.values())  # identity: one full-attention group, any fits
+    kv_config = generate_scheduler_kv_cache_config(get_kv_cache_configs(config, [specs], [kwargs["kv_cache_memory_bytes"]]))
+    cc.num_gpu_blocks = kv_config.num_blocks
     block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_config, config)
     cls = AsyncScheduler if async_sched else Scheduler
     sched = cls(vllm_config=config, kv_cache_config=kv_config, structured_output_manager=StructuredOutputManager(config),
