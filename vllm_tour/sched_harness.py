@@ -112,7 +112,7 @@ def _make_scheduler(kwargs: dict, async_sched: bool):
     from vllm.v1.structured_output import StructuredOutputManager
     from vllm.utils.hashing import get_hash_fn_by_name
 
-    config = EngineArgs(**{k: v for k, v in kwargs.items() if k != "use_tqdm_on_load"}).create_engine_config()
+    config = EngineArgs(**kwargs).create_engine_config()
     config.scheduler_config.async_scheduling = async_sched  # the platform's choice, overridden: that is the point
     if config.kv_events_config is not None:
         config.kv_events_config.publisher = "null"  # never a ZMQ socket: the harness collects the events itself
