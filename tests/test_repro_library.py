@@ -138,8 +138,24 @@ def test_the_harness_sizes_the_pool_with_the_pins_own_capacity_check(tmp_path):
     assert not c.ok and c.evidence == ["step 1: r0 scheduled 127 tokens"]
 
 
+def test_reset_prefix_cache_mid_flight_under_async_scheduling(tmp_path):
+    """async_reset_prefix_cache_placeholders on this pin: the reset preempts both requests with two batches in
+    flight, they are recomputed (chunked by the 64-token budget), and v0.32.0 finishes them with no assertion."""
+    sc = load_scenario(REPROS_DIR / "async_reset_prefix_cache_placeholders.toml")
+    run = _harness(tmp_path / "reset", sc)
+    assert run.meta.engine_args["scheduler_cls"] == "AsyncScheduler" and run.meta.status == "ok"
+    kinds = {(s.index, x.req_id): (x.kind, x.num_scheduled_tokens) for s in run.steps for x in s.scheduler.scheduled}
+    assert kinds[(7, "r0")] == ("resumed", 64) and ("resumed", 60) in {kinds[k] for k in kinds if k[1] == "r1"}
+    assert sorted(len(o.token_ids) for o in run.outputs.requests) == [20, 20]
+    checks = {c.key: c.ok for c in check_expectations(sc, run, None, [], sc.expect)}
+    assert checks == {'resumed = ["r0"]': True, 'engine_fails_with = "AssertionError"': False}
+    # without the reset nothing is resumed: the call is what the repro exercises
+    plain = _harness(tmp_path / "plain", sc.model_copy(update={"reset_prefix_cache_at_step": None}))
+    assert not any(x.kind == "resumed" for s in plain.steps for x in s.scheduler.scheduled)
+
+
 def test_request_options_need_the_scheduler_harness():
-    with pytest.raises(TourError, match='request_options are passed by the scheduler-only harness'):
+    with pytest.raises(TourError, match="request_options and reset_prefix_cache_at_step are the scheduler-only harness's"):
         scenario_from_dict({"name": "x", "requests": [{"id": "r0", "prompt": "p"}],
                             "request_options": {"r0": {"cache_salt": "s"}}})
     with pytest.raises(TourError, match="request_options names unknown request ids: r9"):

@@ -161,6 +161,9 @@ class Scenario(BaseModel):
     mode: Literal["engine", "scheduler"] = "engine"
     max_steps: int = 200  # scheduler mode: the harness stops here, requests unfinished (a stall is a result)
     request_options: dict[str, RequestOptions] = {}  # request id -> its untyped upstream options (scheduler mode)
+    # scheduler mode: right after scheduling this step (its batches still in flight), call
+    # Scheduler.reset_prefix_cache(reset_running_requests=True), as LLM.reset_prefix_cache does on a live engine
+    reset_prefix_cache_at_step: int | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -211,8 +214,9 @@ class Scenario(BaseModel):
         unknown = sorted(set(self.request_options) - set(ids))
         if unknown:
             raise ValueError(f"request_options names unknown request ids: {', '.join(unknown)}")
-        if self.request_options and self.mode != "scheduler":
-            raise ValueError('request_options are passed by the scheduler-only harness: set mode = "scheduler"')
+        if (self.request_options or self.reset_prefix_cache_at_step is not None) and self.mode != "scheduler":
+            raise ValueError('request_options and reset_prefix_cache_at_step are the scheduler-only harness\'s: '
+                             'set mode = "scheduler"')
         for pin in self.verdicts:
             if self.expect_for(pin) is None:
                 raise ValueError(f"verdicts names pin {pin} but there are no expectations for it")

@@ -200,6 +200,8 @@ def _drive(sched, scenario: Scenario, prompts: dict[str, list[int]], progress: P
             chunks = {rid for rid in out.num_scheduled_tokens
                       if sched.requests[rid].num_computed_tokens < sched.requests[rid].num_tokens}
             in_flight.append((out, chunks))
+        if step == scenario.reset_prefix_cache_at_step:
+            sched.reset_prefix_cache(reset_running_requests=True)
         if in_flight and (len(in_flight) >= depth or not out.total_num_scheduled_tokens):
             done, chunks = in_flight.popleft()
             sched.update_from_output(done, _model_output(done, chunks, live))
