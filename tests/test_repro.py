@@ -19,7 +19,7 @@ def test_ep_at_tp2_kills_the_engine_reproduced_and_the_trace_is_kept(tmp_path, c
     p = cli("repro", SCENARIOS_DIR / "repro_ep_tp2_cpu.toml", "--out", tmp_path / "run", columns=250)
     assert p.returncode == 0, p.stdout + p.stderr[-3000:]
     out = p.stdout
-    assert "REPRODUCED — 4/4" in out and "NOT REPRODUCED" not in out
+    assert "REPRODUCED on v0.32.0 — 4/4" in out and "NOT REPRODUCED" not in out
     assert 'engine_fails_with = "RuntimeError: cancelled"' in out
     assert "engine error: RuntimeError: cancelled" in out
     assert "died unexpectedly" in out  # the executor's own log line, as evidence
@@ -63,7 +63,7 @@ def test_ep_at_tp2_kills_the_engine_reproduced_and_the_trace_is_kept(tmp_path, c
 def test_preemption_reproduced_with_the_steps(tmp_path, cli):
     p = cli("repro", SCENARIOS_DIR / "repro_preemption.toml", "--out", tmp_path / "run", columns=250)
     assert p.returncode == 0, p.stdout + p.stderr[-3000:]
-    assert "REPRODUCED — 2/2" in p.stdout
+    assert "REPRODUCED on v0.32.0 — 2/2" in p.stdout
     assert '✓ met     preempted = ["r2"]' in p.stdout and '✓ met     resumed = ["r2"]' in p.stdout
     assert "r2 preempted (no free KV blocks" in p.stdout and "r2 resumed:" in p.stdout
 
@@ -76,7 +76,7 @@ def test_wrong_expectations_not_reproduced_naming_them(tmp_path, cli):
     p = cli("repro", sc, "--out", tmp_path / "run", columns=250)
     assert p.returncode == 1, p.stdout + p.stderr[-3000:]
     out = p.stdout
-    assert "NOT REPRODUCED — 1/3 expectations met" in out
+    assert "NOT REPRODUCED on v0.32.0 — 1/3 expectations met" in out
     assert 'not met: engine_fails_with = "cancelled", preempted = ["r0"]' in out
     assert "the engine finished: 2 requests" in out and "r0: never preempted" in out
     assert '✓ met     tokens_equal = ["r0", "r1"]' in out  # same prompt, greedy: same tokens

@@ -332,21 +332,34 @@ def compare(
 
 @app.command()
 def repro(
-    scenario: Path = typer.Argument(..., help="A scenario TOML with an \\[expect] section (see traces/scenarios/repro_*.toml)."),
+    scenario: Optional[Path] = typer.Argument(None, help="A scenario TOML with an \\[expect] section (traces/repros/, traces/scenarios/repro_*.toml)."),
+    all_: bool = flag("--all", help="Run the whole library (traces/repros/ and traces/scenarios/repro_*.toml) and print a table."),
     out: Optional[Path] = typer.Option(None, help="Run directory (default traces/runs/<stamp>-<name>). An existing, non-empty one is refused unless --force."),
     force: bool = flag("--force", help="Run into an existing --out: its meta.json, records and captures are deleted and replaced."),
     verbose: bool = flag("--verbose", "-v", help="Show vLLM's own INFO logs."),
 ):
-    """Run a scenario that encodes an upstream issue; print REPRODUCED / NOT REPRODUCED with the evidence.
+    """Run a scenario that encodes an upstream issue; print REPRODUCED / NOT REPRODUCED on the installed pin, with the evidence.
 
-    Expectations (\\[expect]): engine_fails_with = "substring", preempted = ["r2"],
-    resumed = ["r2"], prefix_hit_tokens = {r1 = 64}, tokens_equal = ["r0", "r1"].
-    Exit 0 reproduced, 1 not reproduced, 2 could not run.
+    Expectations (\\[expect], every pin; \\[expect."v0.21.0"], that pin only): engine_fails_with = "substring",
+    preempted / resumed / never_scheduled = ["r2"], prefix_hit_tokens = {r1 = 64}, tokens_equal = ["r0", "r1"],
+    stalled = {r1 = 5}, max_scheduled_tokens = {r0 = 32}, blocked_behind = {small = "big"},
+    kv_events = {BlockStored = 4}, kv_removed_while_cached = true (KV events: scheduler mode).
+    `verdicts = {"v0.32.0" = "NOT REPRODUCED"}` declares a fixed pin; mode = "scheduler" runs upstream's
+    Scheduler alone with fabricated model outputs; \\[engine.extra] passes raw EngineArgs. Exit 0 reproduced, 1 not
+    reproduced, 2 could not run; with --all: 0 when every verdict is as declared, else 1.
     """
     from .repro import render, run_repro
     from .trace.command import quiet_vllm
 
     quiet_vllm(verbose)
+    if all_:
+        from .repro_library import run_all
+
+        if scenario is not None or out is not None:
+            raise TourError("repro --all runs the library: give no scenario and no --out")
+        raise typer.Exit(run_all(console))
+    if scenario is None:
+        raise TourError("give a scenario TOML, or --all for the library")
     if console.is_terminal:  # a status line, as trace's progress bar: piped output stays the result (or one error line)
         console.print(f"[dim]repro {escape(str(scenario))}: running upstream with probes…[/]")
     res = run_repro(scenario, out, force)

