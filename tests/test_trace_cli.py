@@ -161,7 +161,8 @@ def test_help_shows_flags_without_a_value_type_and_keeps_bracketed_words(cli):
     flags = [line for line in trace_help.splitlines() if line.startswith("│ --") and any(f in line for f in ("--ignore-eos", "--multiprocess", "--force ", "--no-prefix-caching"))]
     assert len(flags) == 4 and not any("<bool>" in line for line in flags), flags
     repro_help = cli("repro", "--help").stdout
-    assert "Expectations ([expect]):" in repro_help and "with an [expect] section" in repro_help
+    assert "Expectations ([expect], every pin; [expect.\"v0.21.0\"], that pin only)" in repro_help
+    assert "with an [expect] section" in repro_help
 
 
 def test_show_names_the_notes_behind_each_event(cli):

@@ -289,6 +289,8 @@ def symbol_page(tree: SourceTree, qualname: str, sub: Subsystem, pin: str, links
         return _page(qualname, f'<a class="internal" href="../index.html">{_ui("back")}</a><h1>{_e(qualname)}</h1>',
                      f'<div class="notes">{cards}</div>', "../")
     places = [locate(n, tree, symbol) for n in notes]
+    # numbered in reading order (notes on the whole symbol first, then down the code), whichever files they come from
+    places.sort(key=lambda p: (p.span.start, p.span.end) if p.ok and p.note.anchor else (0, 0))
     numbered = list(enumerate(places, 1))
     inline = [(i, p) for i, p in numbered if p.ok and p.note.anchor]
     top = [(i, p) for i, p in numbered if not (p.ok and p.note.anchor)]

@@ -204,3 +204,17 @@ def hit_takes_block_from_free_pool(run: Run) -> str:
 
 def hit_on_held_blocks_costs_nothing(run: Run) -> str:
     return _hit_free_balance(run, want_free_hit=False)
+
+
+def pool_is_the_override(run: Run) -> str:
+    """num_gpu_blocks_override is the pool: every KV record counts override - 1 usable blocks (block 0 is the null
+    block), and the small pool forces the preemptions and evictions the scenario is about."""
+    override = run.meta.engine_args.get("num_gpu_blocks_override")
+    _need(bool(override), None, "the run set no num_gpu_blocks_override")
+    steps = _sched_steps(run)
+    for s in steps:
+        _need(s.kv.num_blocks == override - 1, s.index, f"{s.kv.num_blocks} usable blocks, override {override}")
+    pressure = [s.index for s in steps if s.scheduler.preempted or s.kv.evicted]
+    _need(bool(pressure), None, f"a pool of {override - 1} usable blocks forced no preemption or eviction")
+    return (f"num_gpu_blocks_override = {override}: {override - 1} usable blocks at all {len(steps)} steps; "
+            f"preemption or eviction at steps {pressure[:3]}{' …' if len(pressure) > 3 else ''}")

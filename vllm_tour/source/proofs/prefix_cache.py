@@ -216,3 +216,21 @@ def usage_counts_cached_as_free(run: Run) -> str:
             found.append(f"step {s.index}: usage {kv.usage:.2f} = 1 - {kv.free_blocks}/{kv.num_blocks}, the free blocks "
                          f"including cached {rep.cached_free[s.index]}")
     return _shown(found, "a step with cached free blocks")
+
+
+def no_hits_without_prefix_caching(run: Run) -> str:
+    """With prefix caching off, requests sharing whole prompt blocks get no hit: nothing hashes their blocks."""
+    bs = _block_size(run)
+    _need(run.meta.engine_args.get("enable_prefix_caching") is False, None, "the run has prefix caching on")
+    first = _first_scheduled(run)
+    found = []
+    for s in _sched_steps(run):
+        _need(not s.kv.prefix_caching and not s.kv.prefix_hits, s.index,
+              f"prefix caching {'on' if s.kv.prefix_caching else 'off'}, hits {[h.req_id for h in s.kv.prefix_hits]}")
+    reqs = [r.req_id for r in run.meta.requests]
+    for i, r in enumerate(reqs):
+        for o in reqs[:i]:
+            shared = _common(_tokens(run, r), _tokens(run, o)) // bs
+            if shared and first.get(o, 0) < first.get(r, 0):
+                found.append(f"{r} shares {shared} full block(s) with {o}, scheduled before it, and hit nothing")
+    return _shown(found, "requests sharing whole blocks")
