@@ -289,3 +289,21 @@ def test_golden_traces_step_by_step_link_events_to_notes(site, browser):
     browser.goto((site / "sym" / f"{symbol}.html").as_uri() + "?lang=en")  # an earlier test left zh chosen
     tag = browser.js(f"document.querySelector('#note-{note} .proven').parentElement.innerText")
     assert "proven on a live run of" in tag and f"vllm-tour annotations verify --note {note}" in tag
+
+
+def test_the_repro_library_page_links_each_repro_to_its_notes(site, browser):
+    from vllm_tour.repro_library import library
+    from vllm_tour.scenario import load_scenario
+
+    browser.goto((site / "repros.html").as_uri() + "?lang=en")
+    rows = browser.js("""[...document.querySelectorAll('tr[id^=repro-]')].map(r => ({
+        id: r.id, notes: [...r.querySelectorAll('a.internal')].map(a => a.href), text: r.innerText}))""")
+    scs = [load_scenario(p) for p in library()]
+    assert [r["id"] for r in rows] == [f"repro-{sc.name}" for sc in scs]
+    for sc, row in zip(scs, rows):
+        assert len(row["notes"]) == len(sc.notes) > 0, sc.name
+        for h in row["notes"]:
+            page, frag = Path(h.split("?")[0].removeprefix("file://")), h.split("#")[1]
+            assert f'id="{frag}"' in page.read_text(), (sc.name, h)
+    reset = next(r for r in rows if r["id"] == "repro-async_reset_prefix_cache_placeholders")["text"]
+    assert "v0.21.0 REPRODUCED (run on an H200)" in reset and "v0.32.0 NOT REPRODUCED" in reset

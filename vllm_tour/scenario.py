@@ -156,6 +156,7 @@ class Scenario(BaseModel):
     verdicts: dict[str, Verdict] = {}
     issue: int | None = None  # the upstream issue and pull request the repro encodes
     pr: int | None = None
+    notes: list[str] = []  # ids of the notes on the code the repro exercises (the site's repro page links them)
     # "engine": the whole upstream engine runs the model; "scheduler": upstream's Scheduler alone, fed
     # fabricated model outputs (sched_harness.py): no model forward, seconds on CPU
     mode: Literal["engine", "scheduler"] = "engine"

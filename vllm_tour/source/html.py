@@ -30,12 +30,14 @@ _UI = {
            "field": "trace field", "code": "code", "back": "← index", "orphan": "does not resolve on this pin",
            "whole": "on the whole symbol", "probes": "probes", "see": "see", "prev": "previous", "next": "next",
            "on_page": "Notes on this page", "folded": "lines without notes", "loop": "One engine step",
-           "proven": "proven on a live run of", "traces": "Traces, step by step"},
+           "proven": "proven on a live run of", "traces": "Traces, step by step",
+           "repros": "Reproduced upstream issues", "repros_page": "The repro library: verdict per pin, notes on the code"},
     "zh": {"journey": "请求的旅程", "concepts": "从 trace 到代码", "notes": "条注解", "note": "条注解", "field": "trace 字段",
            "code": "代码", "back": "← 目录", "orphan": "在此 pin 上无法定位", "whole": "针对整个符号",
            "probes": "探针", "see": "参见", "prev": "上一页", "next": "下一页",
            "on_page": "本页注解", "folded": "行无注解的代码", "loop": "引擎的一步",
-           "proven": "已在真实运行中验证：", "traces": "逐步查看 trace"},
+           "proven": "已在真实运行中验证：", "traces": "逐步查看 trace",
+           "repros": "复现的上游问题", "repros_page": "复现库：各 pin 的结论与相关代码的注解"},
 }
 
 _CSS = """
@@ -364,6 +366,7 @@ def index_page(subs: list[Subsystem], pin: str, links: _Links) -> str:
     if links.traces:
         items = "".join(f'<li><a class="internal" href="{_e(h)}">{_e(name)}</a></li>' for name, h in links.traces.items())
         parts.append(f'<h2 id="traces">{_ui("traces")}</h2><ul>{items}</ul>')
+    parts.append(f'<h2 id="repros">{_ui("repros")}</h2><p><a class="internal" href="repros.html">{_ui("repros_page")}</a></p>')
     head = (f'<h1>vllm-tour</h1><span class="pin">pin {_e(pin)} · {len(notes)} '
             f'{_ui("notes")}</span>')
     return _page(f"vllm-tour — pin {pin}", head, "".join(parts), "")
@@ -391,6 +394,11 @@ def write_site(out: Path, tree: SourceTree, subs: list[Subsystem], pin: str) -> 
                 continue
             done.add(q)
             (out / "sym" / page_name(q)).write_text(symbol_page(tree, q, sub, pin, links, subs), encoding="utf-8")
+    from .site_repros import repros_body
+
+    (out / "repros.html").write_text(_page("vllm-tour — repros", f'<a class="internal" href="index.html">{_ui("back")}</a>'
+                                           f'<h1>{_ui("repros")}</h1>', repros_body(lambda nid: links.href(nid, ""), _both), ""),
+                                     encoding="utf-8")
     index = out / "index.html"
     index.write_text(index_page(subs, pin, links), encoding="utf-8")
     return index
