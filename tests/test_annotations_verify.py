@@ -152,3 +152,14 @@ def test_a_check_fails_when_the_trace_contradicts_it(traced, check):
     mutate(run)
     with pytest.raises(proofs.ClaimFailed):
         verify.CHECKS[check](run)
+
+
+def test_every_claim_holds_on_the_recorded_runs_the_site_links():
+    """`verify --record` keeps the runs the claims were proven on (traces/golden/proofs/v0.32.0/, no tensors): the
+    site links each proven note to its run, so the claim must hold on that checked-in run too."""
+    table = verify.load_proofs(verify.PROOFS_DIR / f"{PIN}.toml")
+    for name, note_ids in verify._by_scenario(table).items():
+        run = load_run(verify.recorded_run(PIN, name))
+        assert run.meta.pin == PIN and run.finished, name
+        failed = [v for v in verify.check_claims(run, name, note_ids, table) if not v.holds]
+        assert not failed, [(v.note, v.step, v.evidence) for v in failed]

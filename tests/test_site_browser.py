@@ -289,6 +289,9 @@ def test_golden_traces_step_by_step_link_events_to_notes(site, browser):
     browser.goto((site / "sym" / f"{symbol}.html").as_uri() + "?lang=en")  # an earlier test left zh chosen
     tag = browser.js(f"document.querySelector('#note-{note} .proven').parentElement.innerText")
     assert "proven on a live run of" in tag and f"vllm-tour annotations verify --note {note}" in tag
+    # ... and links to the recorded run it was proven on, rendered step by step
+    run_href = browser.js(f"document.querySelector('#note-{note} .proven a').href").split("?")[0]
+    assert run_href.endswith(f"trace/{proven[note].scenario}.html") and Path(run_href.removeprefix("file://")).is_file()
 
 
 def test_the_repro_library_page_links_each_repro_to_its_notes(site, browser):

@@ -25,9 +25,13 @@ def test_env_allow_list_keeps_engine_knobs_and_drops_secrets(monkeypatch):
 
 
 def test_golden_meta_holds_no_secrets():
-    for meta in GOLDEN_DIR.glob("*/meta.json"):
+    from vllm_tour.repro_library import REPROS_DIR
+
+    metas = [*GOLDEN_DIR.rglob("meta.json"), *REPROS_DIR.rglob("meta.json")]  # goldens, proof runs, CUDA repro runs
+    assert len(metas) > 20
+    for meta in metas:
         text = meta.read_text()
-        assert "sk-" not in text and "hf_" not in text
+        assert "sk-" not in text and "hf_" not in text, meta
 
 
 def test_user_request_ids_drop_upstreams_suffix():

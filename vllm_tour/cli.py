@@ -148,13 +148,15 @@ def annotations_verify(
     note: list[str] = typer.Option([], "--note", help="Note id to verify; repeat for several (default: every proven note)."),
     as_json: bool = flag("--json", help="Machine-readable report on stdout."),
     proofs: Optional[Path] = typer.Option(None, "--proofs", help="Proofs file (default: annotations/proofs/PIN.toml)."),
+    record: bool = flag("--record", help="Keep each run whose claims all hold, small and without tensors, under "
+                        "traces/golden/proofs/PIN/ (the runs the site links and CI re-checks)."),
 ):
     """Prove notes' claims on live upstream runs: each note's check over its scenario's trace (exit 1 if one fails)."""
     from .source.verify import verify
     from .trace.command import quiet_vllm
 
     quiet_vllm(False)  # as `compare`: vLLM's INFO lines would bury the table
-    raise typer.Exit(verify(console, pin, note, as_json, proofs))
+    raise typer.Exit(verify(console, pin, note, as_json, proofs, record))
 
 
 @annotations_app.command("lint")

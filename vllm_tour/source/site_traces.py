@@ -32,7 +32,7 @@ def _e(s: str) -> str:
 
 def golden_runs(pin: str) -> list[Run]:
     """The finished single-device golden runs recorded on `pin` (TP runs are shown by `vllm-tour show`)."""
-    roots = [GOLDEN_DIR, GOLDEN_DIR / pin]
+    roots = [GOLDEN_DIR, GOLDEN_DIR / pin, GOLDEN_DIR / "proofs" / pin]  # the last: the runs notes are proven on
     runs = []
     for root in roots:
         for d in sorted(p for p in root.glob("*") if (p / "meta.json").is_file()):

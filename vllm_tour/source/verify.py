@@ -33,7 +33,7 @@ from rich.table import Table
 
 from .. import pins
 from ..errors import TourError
-from ..paths import ANNOTATIONS_DIR, SCENARIOS_DIR
+from ..paths import ANNOTATIONS_DIR, GOLDEN_DIR, SCENARIOS_DIR
 from . import proofs
 from .annotations import LANGS, all_notes, load_all
 
@@ -115,24 +115,45 @@ def check_pin_installed(pin: str) -> None:
                         f"(v0.21.0: the CUDA engine on the GPU machine)")
 
 
-def run_proofs(selected: dict[str, Proof], progress: Console) -> list[Verdict]:
+def recorded_run(pin: str, scenario: str) -> Path:
+    """Where `--record` keeps the run a scenario's claims were verified on (what the site links to)."""
+    return GOLDEN_DIR / "proofs" / pin / scenario
+
+
+def _by_scenario(selected: dict[str, Proof]) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for note_id, proof in selected.items():
+        out.setdefault(proof.scenario, []).append(note_id)
+    return out
+
+
+def check_claims(run, name: str, note_ids: list[str], selected: dict[str, Proof]) -> list[Verdict]:
+    verdicts = []
+    for note_id in note_ids:
+        proof = selected[note_id]
+        try:
+            verdicts.append(Verdict(note_id, name, proof.check, proof.claim["en"], True, None, CHECKS[proof.check](run)))
+        except proofs.ClaimFailed as e:
+            verdicts.append(Verdict(note_id, name, proof.check, proof.claim["en"], False, e.step, e.evidence))
+    return verdicts
+
+
+def run_proofs(selected: dict[str, Proof], progress: Console, record_pin: str | None = None) -> list[Verdict]:
+    """Each scenario's upstream run (cached), its claims checked; with record_pin, a run whose claims all hold is
+    kept, small and without tensors, as recorded_run(record_pin, scenario)."""
     from ..compare.upstream import upstream_run_for
     from ..scenario import load_scenario
+    from ..trace.golden import write_golden
     from ..trace.reader import load_run
 
-    by_scenario: dict[str, list[str]] = {}
-    for note_id, proof in selected.items():
-        by_scenario.setdefault(proof.scenario, []).append(note_id)
     verdicts = []
-    for name, note_ids in by_scenario.items():
+    for name, note_ids in _by_scenario(selected).items():
         progress.print(f"[dim]upstream run of {name} ({len(note_ids)} claim{'s' * (len(note_ids) != 1)})…[/]")
         run = load_run(upstream_run_for(load_scenario(SCENARIOS_DIR / f"{name}.toml")))
-        for note_id in note_ids:
-            proof = selected[note_id]
-            try:
-                verdicts.append(Verdict(note_id, name, proof.check, proof.claim["en"], True, None, CHECKS[proof.check](run)))
-            except proofs.ClaimFailed as e:
-                verdicts.append(Verdict(note_id, name, proof.check, proof.claim["en"], False, e.step, e.evidence))
+        these = check_claims(run, name, note_ids, selected)
+        if record_pin and all(v.holds for v in these):
+            write_golden(run, recorded_run(record_pin, name), drop_capture_records=True)
+        verdicts += these
     return verdicts
 
 
@@ -151,8 +172,9 @@ def _stdout_to_stderr():
         os.close(saved)
 
 
-def verify(console: Console, pin: str | None, note_ids: list[str], as_json: bool, proofs_path: Path | None) -> int:
-    """Exit code: 0 every claim holds, 1 some claim fails."""
+def verify(console: Console, pin: str | None, note_ids: list[str], as_json: bool, proofs_path: Path | None,
+           record: bool = False) -> int:
+    """Exit code: 0 every claim holds, 1 some claim fails. record: keep each verified run (recorded_run)."""
     pin = pin or pins.active_pin_tag()
     check_pin_installed(pin)
     path = proofs_path or PROOFS_DIR / f"{pin}.toml"
@@ -161,11 +183,12 @@ def verify(console: Console, pin: str | None, note_ids: list[str], as_json: bool
     if unknown:
         raise TourError(f"no proof for note(s) {', '.join(unknown)} in {path}")
     selected = {n: table[n] for n in (note_ids or table)}
+    record_pin = pin if record else None
     if as_json:
         with _stdout_to_stderr():
-            verdicts = run_proofs(selected, Console(stderr=True))
+            verdicts = run_proofs(selected, Console(stderr=True), record_pin)
     else:
-        verdicts = run_proofs(selected, console)
+        verdicts = run_proofs(selected, console, record_pin)
     failed = [v for v in verdicts if not v.holds]
     if as_json:
         print(json.dumps({"proven": len(verdicts) - len(failed), "failed": len(failed),
