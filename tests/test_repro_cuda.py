@@ -32,7 +32,7 @@ def test_cuda_verdict_follows_from_its_records_and_is_as_declared(name):
     sc = load_scenario(FILES[name])
     run = load_run(CUDA / name)
     assert run.meta.pin == PIN and saved["pin"] == PIN
-    checks = check_expectations(sc, run, saved["failure"], saved["log_errors"], sc.expect_for(PIN))
+    checks = check_expectations(sc, run, saved["failure"], saved["log_errors"], sc.expect_for(PIN), saved.get("alone"))
     verdict = "REPRODUCED" if checks and all(c.ok for c in checks) else "NOT REPRODUCED"
     assert [(c.key, c.ok) for c in checks] == [(c["key"], c["ok"]) for c in saved["checks"]]
     assert verdict == saved["verdict"] == sc.declared_verdict(PIN)

@@ -40,6 +40,8 @@ def test_every_repro_in_the_library_runs_here_as_declared(cli):
     assert "big waits (needs 5 blocks, 3 free); small waits though it would fit" in rows["head_of_line_blocking"]
     assert "4 block hashes in 3 BlockStored events" in rows["kv_events_full_report"]
     assert "salted: no prefix-cache hit" in rows["cache_salt_vs_lora"]
+    # batch invariance: each request ran again alone, and fp32 on the CPU engine gave it the same tokens
+    assert "r0 in the batch and alone: the same 24 tokens" in rows["batch_variance_fp32_cpu"]
     assert "BlockRemoved" in rows["kv_block_removed_per_copy"] and "stored copy of it stays cached" in rows["kv_block_removed_per_copy"]
 
 
@@ -208,3 +210,9 @@ def test_a_repro_for_another_pin_only_is_not_run_here(tmp_path, cli):
     assert p.returncode == 2 and "REPRODUCED" not in p.stdout
     assert p.stderr.strip() == f"error: scenario {sc} has expectations for v0.21.0 only; this machine runs v0.32.0 " \
                                "(see `vllm-tour repro --all` for the other pins' status)"
+
+
+def test_same_tokens_alone_needs_the_model():
+    with pytest.raises(Exception, match='same_tokens_alone compares generated tokens: it needs mode = "engine"'):
+        scenario_from_dict({"name": "x", "mode": "scheduler", "requests": [{"id": "r0", "token_ids": [1, 2, 3]}],
+                            "expect": {"same_tokens_alone": {"r0": True}}})

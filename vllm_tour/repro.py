@@ -46,6 +46,7 @@ class ReproResult:
     failure: str | None  # the engine's error, None when it finished
     log_errors: list[str]
     checks: list[Check]
+    alone: dict[str, list[int]] = field(default_factory=dict)  # same_tokens_alone: each request's tokens run alone
 
     @property
     def reproduced(self) -> bool:
@@ -161,8 +162,23 @@ def run_repro(path: Path | str, run_dir: Path | None = None, force: bool = False
     run = load_run(run_dir)
     if failure is None and run.meta.status == "failed":
         failure = run.meta.error or "failed"
-    checks = check_expectations(sc, run, failure, handler.lines, ex)
-    return ReproResult(sc, pin, run_dir, run, failure, handler.lines, checks)
+    alone = run_alone(sc, run_dir, list(ex.same_tokens_alone), progress) if ex.same_tokens_alone and failure is None else {}
+    checks = check_expectations(sc, run, failure, handler.lines, ex, alone)
+    return ReproResult(sc, pin, run_dir, run, failure, handler.lines, checks, alone)
+
+
+def run_alone(sc: Scenario, run_dir: Path, req_ids: list[str], progress=None) -> dict[str, list[int]]:
+    """Each request's tokens when it is the only request in the engine (run_dir/alone-<id>/, one engine run each)."""
+    from .upstream_run import run_upstream
+
+    out = {}
+    for rid in req_ids:
+        spec = next(r for r in sc.requests if r.req_id == rid).model_copy(update={"arrival_step": 0})
+        solo = sc.model_copy(update={"name": f"{sc.name}-alone-{rid}", "requests": [spec], "expect": None,
+                                     "expect_by_pin": {}, "verdicts": {}})
+        run = load_run(run_upstream(solo, run_dir / f"alone-{rid}", probes=True, progress=progress))
+        out[rid] = next(o.token_ids for o in run.outputs.requests if o.req_id == rid)
+    return out
 
 
 # --- the expectations ------------------------------------------------------------
@@ -189,7 +205,8 @@ def _last_step_line(run: Run) -> str:
 
 
 def check_expectations(sc: Scenario, run: Run, failure: str | None, log_errors: list[str],
-                       ex: ExpectSpec | None = None) -> list[Check]:
+                       ex: ExpectSpec | None = None, alone: dict[str, list[int]] | None = None) -> list[Check]:
+    """alone: each request's tokens when it ran alone (run_alone), for same_tokens_alone."""
     ex = ex or sc.expect
     checks: list[Check] = []
     if ex.engine_fails_with is not None:
@@ -252,6 +269,19 @@ def check_expectations(sc: Scenario, run: Run, failure: str | None, log_errors: 
                 ev.append(f"{first} != {rid} at position {pos}: {a[pos:pos + 1]} vs {b[pos:pos + 1]} (lengths {len(a)}, {len(b)})")
             checks.append(Check(key, ok, ev))
 
+    got = {o.req_id: o.token_ids for o in run.outputs.requests} if run.outputs else {}
+    for rid, want_same in ex.same_tokens_alone.items():
+        key = _fmt(f"same_tokens_alone.{rid}", want_same)
+        if rid not in got or rid not in (alone or {}):
+            checks.append(Check(key, False, [f"no output for {rid} {'alone' if rid in got else 'in the batch'}"] + _failed_note(failure)))
+            continue
+        a, b = got[rid], alone[rid]
+        if a == b:
+            ev = f"{rid} in the batch and alone: the same {len(a)} tokens {a[:8]}{' ...' if len(a) > 8 else ''}"
+        else:
+            pos = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            ev = f"{rid} differs at output position {pos}: {a[pos:pos + 1]} in the batch vs {b[pos:pos + 1]} alone"
+        checks.append(Check(key, (a == b) == want_same, [ev]))
     checks.extend(scheduling_checks(ex, run, failure))
     if ex.expert_maps:
         checks.extend(_expert_map_checks(ex.expert_maps, run, failure))

@@ -109,13 +109,17 @@ class ExpectSpec(BaseModel):
     kv_events: dict[Literal["BlockStored", "BlockRemoved", "AllBlocksCleared"], int] = {}
     # true: some BlockRemoved names a hash while another stored copy of it is still cached
     kv_removed_while_cached: bool | None = None
+    # request -> true: it generates the same tokens when run alone (batch invariance), false: other tokens;
+    # repro runs the engine once more per request, with that request only
+    same_tokens_alone: dict[str, bool] = {}
 
     def keys(self) -> list[str]:
         return [k for k in type(self).model_fields if getattr(self, k) not in (None, [], {})]
 
     def request_ids(self) -> set[str]:
         return {*self.preempted, *self.resumed, *self.prefix_hit_tokens, *self.tokens_equal, *self.never_scheduled,
-                *self.stalled, *self.max_scheduled_tokens, *self.blocked_behind, *self.blocked_behind.values()}
+                *self.stalled, *self.max_scheduled_tokens, *self.blocked_behind, *self.blocked_behind.values(),
+                *self.same_tokens_alone}
 
     def merged(self, other: "ExpectSpec | None") -> "ExpectSpec":
         """These expectations with `other`'s keys (a pin's own section) on top."""
@@ -209,6 +213,8 @@ class Scenario(BaseModel):
                 raise ValueError(f"expect names unknown request ids: {', '.join(unknown)}")
             if len(ex.tokens_equal) == 1:
                 raise ValueError("expect.tokens_equal needs at least two request ids")
+            if ex.same_tokens_alone and self.mode == "scheduler":
+                raise ValueError('expect.same_tokens_alone compares generated tokens: it needs mode = "engine"')
             for rid, earlier in ex.blocked_behind.items():
                 if rid == earlier:
                     raise ValueError(f"expect.blocked_behind: {rid} cannot wait behind itself")

@@ -417,7 +417,7 @@ def cmd_repro(a) -> int:
         try:
             res = run_repro(path, run_dir=run_dir, force=True)
             row = {"repro": sc.name, "pin": here, "verdict": res.verdict, "as_declared": res.as_declared,
-                   "failure": res.failure, "log_errors": res.log_errors,
+                   "failure": res.failure, "log_errors": res.log_errors, "alone": res.alone,
                    "checks": [{"key": c.key, "ok": c.ok, "evidence": c.evidence} for c in res.checks]}
             (run_dir / "repro.json").write_text(json.dumps(row, indent=1))
         except Exception as e:  # noqa: BLE001 - TourError = could not run
