@@ -21,11 +21,10 @@ from collections import deque
 from pathlib import Path
 
 from . import __version__
-from .errors import TourError
 from .scenario import RequestOptions, Scenario
 from .trace.schema import Outputs, RequestOutput, RunMeta
 from .trace.writer import RECORDER, write_json_atomic
-from .upstream_run import Progress, check_pin, engine_kwargs, env_allow_list, platform_info
+from .upstream_run import Progress, check_pin, engine_kwargs, env_allow_list, fail_run, platform_info
 
 
 KV_EVENTS_FILE = "kv_events.json"  # the KV events the scheduler published, by step (kv_events_config on)
@@ -78,12 +77,7 @@ def run_scheduler(scenario: Scenario, run_dir: Path, progress: Progress | None =
             events = sched.kv_event_publisher = _EventLog()
             outputs = _drive(sched, scenario, prompts, progress)
     except BaseException as e:
-        meta.status, meta.error, meta.finished = "failed", f"{type(e).__name__}: {e}"[:2000], time.time()
-        write_json_atomic(run_dir / "meta.json", meta.model_dump(mode="json"))
-        if isinstance(e, (TourError, KeyboardInterrupt)):
-            raise
-        raise TourError(f"upstream scheduler failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} "
-                        f"(run dir {run_dir})") from e
+        fail_run(meta, run_dir, e, "scheduler")
     finally:
         RECORDER.deactivate()
     if sched.kv_events_config is not None and sched.kv_events_config.enable_kv_cache_events:

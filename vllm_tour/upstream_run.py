@@ -25,7 +25,7 @@ import shutil
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NoReturn
 
 from . import __version__
 from .errors import TourError
@@ -197,6 +197,16 @@ def _check_capture_steps(spec: str) -> None:
         raise TourError(f"--capture-steps {spec!r}: give step numbers and ranges, e.g. 1-3,7")
 
 
+def fail_run(meta, run_dir: Path, e: BaseException, what: str) -> NoReturn:
+    """Record the failure in the run's meta.json (what was traced up to it stays), then raise it as a TourError."""
+    meta.status, meta.error, meta.finished = "failed", f"{type(e).__name__}: {e}"[:2000], time.time()
+    write_json_atomic(run_dir / "meta.json", meta.model_dump(mode="json"))
+    if isinstance(e, (TourError, KeyboardInterrupt)):
+        raise e
+    raise TourError(f"upstream {what} failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} "
+                    f"(run dir {run_dir})") from e
+
+
 def run_upstream(
     scenario: Scenario,
     run_dir: Path | None = None,
@@ -289,11 +299,7 @@ def run_upstream(
                 RECORDER.activate(run_dir.resolve(), ",".join(names), capture_steps, fault)
             outputs = _drive(scenario, kwargs, progress, logprobs)
         except BaseException as e:
-            meta.status, meta.error, meta.finished = "failed", f"{type(e).__name__}: {e}"[:2000], time.time()
-            write_json_atomic(run_dir / "meta.json", meta.model_dump(mode="json"))
-            if isinstance(e, (TourError, KeyboardInterrupt)):
-                raise
-            raise TourError(f"upstream engine failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} (run dir {run_dir})") from e
+            fail_run(meta, run_dir, e, "engine")
         finally:
             RECORDER.deactivate()
 
