@@ -88,3 +88,20 @@ def test_could_not_run_is_one_line_exit_2_from_the_real_command():
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2
     assert p.stderr.strip().splitlines() == [f"error: unknown module 'reimpl.nope' (known: {', '.join(MODULES)})"]
+
+
+def test_the_upstream_cache_key_follows_what_records_and_not_the_views(monkeypatch, tmp_path):
+    """Cached upstream runs are keyed by the code that writes their records (probes, schema, writer, driver): an
+    edit there re-runs upstream; an edit to a view (show, export, the site) must not throw every run away."""
+    from pathlib import Path
+
+    from vllm_tour.compare import upstream
+
+    read = []
+    real = Path.read_bytes
+    monkeypatch.setattr(Path, "read_bytes", lambda self: read.append(self) or real(self))
+    upstream._probe_sources_digest()
+    root = Path(upstream.__file__).resolve().parent.parent
+    names = {p.relative_to(root).as_posix() for p in read}
+    assert {"probes/plugin.py", "probes/scheduler.py", "trace/schema.py", "trace/writer.py", "upstream_run.py"} <= names
+    assert not names & {"trace/render.py", "trace/reader.py", "trace/event_notes.py", "trace/perfetto.py"}

