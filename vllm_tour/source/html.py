@@ -397,7 +397,7 @@ def write_site(out: Path, tree: SourceTree, subs: list[Subsystem], pin: str) -> 
     from .site_repros import repros_body
 
     (out / "repros.html").write_text(_page("vllm-tour — repros", f'<a class="internal" href="index.html">{_ui("back")}</a>'
-                                           f'<h1>{_ui("repros")}</h1>', repros_body(lambda nid: links.href(nid, ""), _both), ""),
+                                           f'<h1>{_ui("repros")}</h1>', repros_body(lambda nid: links.href(nid, "")), ""),
                                      encoding="utf-8")
     index = out / "index.html"
     index.write_text(index_page(subs, pin, links), encoding="utf-8")

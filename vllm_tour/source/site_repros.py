@@ -8,17 +8,13 @@ tests/test_repro_cuda.py).
 
 from __future__ import annotations
 
-import html
 import json
 
 from ..repro_library import REPROS_DIR, library
 from ..scenario import load_scenario
+from .html import _both, _e
 
 GITHUB = "https://github.com/vllm-project/vllm"
-
-
-def _e(s) -> str:
-    return html.escape(str(s), quote=True)
 
 
 def _measured(name: str, pin: str) -> str | None:
@@ -27,8 +23,8 @@ def _measured(name: str, pin: str) -> str | None:
     return json.loads(saved.read_text())["verdict"] if saved.is_file() else None
 
 
-def repros_body(note_href, both) -> str:
-    """The page's body; note_href(note id) -> the link to a note in the site, both({en, zh}) -> bilingual markup."""
+def repros_body(note_href) -> str:
+    """The page's body; note_href(note id) -> the link to a note in the site."""
     rows = []
     for path in library():
         sc = load_scenario(path)
@@ -40,7 +36,7 @@ def repros_body(note_href, both) -> str:
         for pin in pins:
             declared = sc.declared_verdict(pin)
             measured = _measured(sc.name, pin)
-            ran = f" ({both({'en': 'run on an H200', 'zh': '在 H200 上运行'})})" if measured == declared else ""
+            ran = f" ({_both({'en': 'run on an H200', 'zh': '在 H200 上运行'})})" if measured == declared else ""
             verdicts.append(f"<code>{_e(pin)}</code> {_e(declared)}{ran}")
         notes = " ".join(f'<a class="internal" href="{_e(note_href(n))}"><code>{_e(n)}</code></a>' for n in sc.notes)
         rel = path.relative_to(path.parents[2]).as_posix()
@@ -50,4 +46,4 @@ def repros_body(note_href, both) -> str:
     head = [{"en": "repro", "zh": "复现"}, {"en": "upstream", "zh": "上游"}, {"en": "verdict per pin", "zh": "各 pin 的结论"},
             {"en": "what it shows", "zh": "它展示了什么"}, {"en": "notes on the code", "zh": "相关代码的注解"}]
     return (f'<p class="muted"><code>vllm-tour repro --all</code></p><table class="concepts repros"><tr>'
-            f'{"".join(f"<th>{both(h)}</th>" for h in head)}</tr>{"".join(rows)}</table>')
+            f'{"".join(f"<th>{_both(h)}</th>" for h in head)}</tr>{"".join(rows)}</table>')

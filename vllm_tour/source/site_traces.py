@@ -7,27 +7,17 @@ for others): the site shows what happened, the notes why.
 
 from __future__ import annotations
 
-import html
 from pathlib import Path
 
 from ..paths import GOLDEN_DIR
 from ..trace.event_notes import notes_by_concept
 from ..trace.reader import Run, Step, load_run
 from .concepts import CONCEPTS
+from .html import _both, _e  # the site's escaping and bilingual markup
 
 
 HEADERS = ({"en": "step", "zh": "步"}, {"en": "batch (request×tokens)", "zh": "批次（请求×token）"},
            {"en": "events → notes", "zh": "事件 → 注解"}, {"en": "free blocks", "zh": "空闲块"})
-
-
-def _both(texts: dict[str, str]) -> str:
-    from .html import _both as both  # the site's bilingual markup (html imports this module when it writes)
-
-    return both(texts)
-
-
-def _e(s: str) -> str:
-    return html.escape(str(s), quote=True)
 
 
 def golden_runs(pin: str) -> list[Run]:
