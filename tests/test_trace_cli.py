@@ -182,3 +182,21 @@ def test_show_names_the_notes_behind_each_event(cli):
                  and all(r.kind != "new" and not r.is_prefill for r in s.scheduler.scheduled))
     res = cli("show", "preemption", "--step", str(quiet.index))
     assert res.returncode == 0 and "→ notes:" not in res.stdout  # a plain decode step shows no event, so no note
+
+
+def test_show_and_site_list_the_same_events(cli):
+    """`show` and the site's trace page derive a step's events once: a request resumed after preemption is an
+    admission in both (upstream re-admits it from the waiting queue like a new one), with the admission notes."""
+    from vllm_tour.source.site_traces import trace_page
+    from vllm_tour.trace.event_notes import notes_by_concept, step_events
+
+    run = load_run(GOLDEN_DIR / "preemption")
+    step = next(s for s in run.steps if s.scheduler and any(r.kind == "resumed" for r in s.scheduler.scheduled))
+    events = step_events(step)
+    assert ("admission" in [c for _, c in events]) and any(t.startswith("resume ") for t, _ in events)
+    out = " ".join(cli("show", "preemption", "--step", str(step.index)).stdout.split())
+    assert "Request admission (waiting → running) → notes:" in out
+    assert notes_by_concept(run.meta.pin)["admission"][0][0] in out.split("Request admission (waiting → running) → notes:")[1]
+    _, page = trace_page(run, run.meta.pin, lambda nid: f"#{nid}")
+    row = page.split(f'<tr id="step-{step.index}">')[1].split("</tr>")[0]
+    assert all(f"ev-{c}" in row for _, c in events) and "resume " in row

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 # id -> (trace field that shows it, title en, title zh)
 CONCEPTS: dict[str, tuple[str, str, str]] = {
-    "admission": ("scheduler.scheduled[kind=new]", "Request admission (waiting → running)", "请求准入（waiting → running）"),
+    "admission": ("scheduler.scheduled[kind=new|resumed]", "Request admission (waiting → running)", "请求准入（waiting → running）"),
     "chunked-prefill": ("scheduler.scheduled[is_prefill, partial]", "Chunked prefill", "分块预填充（chunked prefill）"),
     "preemption": ("scheduler.preempted", "Preemption and recompute", "抢占与重算"),
     "prefix-hit": ("kv.prefix_hits", "Prefix-cache hit", "前缀缓存命中"),

@@ -10,8 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..paths import GOLDEN_DIR
-from ..trace.event_notes import notes_by_concept
-from ..trace.reader import Run, Step, load_run
+from ..trace.event_notes import notes_by_concept, step_events
+from ..trace.reader import Run, load_run
 from .concepts import CONCEPTS
 from .html import _both, _e  # the site's escaping and bilingual markup
 
@@ -36,27 +36,6 @@ def trace_page_name(run: Run) -> str:
     return f"{run.path.name}.html"
 
 
-def _events(step: Step) -> list[tuple[str, str]]:
-    """(text, concept) per event of the step, as `show` lists them."""
-    out = []
-    s = step.scheduler
-    if s:
-        for r in s.scheduled:
-            if r.kind in ("new", "resumed"):
-                out.append((f"{'admit' if r.kind == 'new' else 'resume'} {r.req_id}", "admission"))
-            if r.is_prefill and r.num_computed_tokens + r.num_scheduled_tokens < r.num_prompt_tokens:
-                out.append((f"chunk {r.req_id} {r.num_computed_tokens}+{r.num_scheduled_tokens}/{r.num_prompt_tokens}",
-                            "chunked-prefill"))
-        for p in s.preempted:
-            out.append((f"PREEMPT {p.req_id}", "preemption"))
-    if step.kv:
-        for h in step.kv.prefix_hits:
-            out.append((f"hit {h.req_id}: {h.num_hit_tokens} tokens, blocks {h.block_ids}", "prefix-hit"))
-        if step.kv.evicted:
-            out.append((f"evict {step.kv.evicted}", "eviction"))
-    return out
-
-
 def trace_page(run: Run, pin: str, note_href) -> tuple[str, str]:
     """(title, body) of one trace's page; note_href(note id) -> the link to a note in the site."""
     by_concept = notes_by_concept(pin)
@@ -65,7 +44,7 @@ def trace_page(run: Run, pin: str, note_href) -> tuple[str, str]:
         s = step.scheduler
         batch = " ".join(f"{r.req_id}×{r.num_scheduled_tokens}" for r in s.scheduled) if s else ""
         cells = []
-        for text, concept in _events(step):
+        for text, concept in step_events(step):
             notes = by_concept.get(concept, [])
             link = (f' <a class="internal" href="{_e(note_href(notes[0][0]))}" title="{_e(CONCEPTS[concept][1])}">'
                     f'<code>{_e(notes[0][0])}</code></a>') if notes else ""

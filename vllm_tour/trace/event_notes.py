@@ -35,23 +35,31 @@ def notes_by_concept(pin: str) -> dict[str, list[tuple[str, str, bool]]]:
     return out
 
 
-def step_concepts(step: Step) -> list[str]:
-    """The concepts this step shows, in the order `show` lists its events."""
-    found = []
+def step_events(step: Step) -> list[tuple[str, str]]:
+    """(text, concept) per event of the step, in the order `show` and the site list them. A resumed request is an
+    admission too: upstream re-admits a preempted request from the waiting queue by the same code as a new one."""
+    out = []
     s = step.scheduler
     if s:
-        if any(r.kind == "new" for r in s.scheduled):
-            found.append("admission")
-        if any(r.is_prefill and r.num_computed_tokens + r.num_scheduled_tokens < r.num_prompt_tokens for r in s.scheduled):
-            found.append("chunked-prefill")
-        if s.preempted:
-            found.append("preemption")
+        for r in s.scheduled:
+            if r.kind in ("new", "resumed"):
+                out.append((f"{'admit' if r.kind == 'new' else 'resume'} {r.req_id}", "admission"))
+            if r.is_prefill and r.num_computed_tokens + r.num_scheduled_tokens < r.num_prompt_tokens:
+                out.append((f"chunk {r.req_id} {r.num_computed_tokens}+{r.num_scheduled_tokens}/{r.num_prompt_tokens}",
+                            "chunked-prefill"))
+        for p in s.preempted:
+            out.append((f"PREEMPT {p.req_id}", "preemption"))
     if step.kv:
-        if step.kv.prefix_hits:
-            found.append("prefix-hit")
+        for h in step.kv.prefix_hits:
+            out.append((f"hit {h.req_id}: {h.num_hit_tokens} tokens, blocks {h.block_ids}", "prefix-hit"))
         if step.kv.evicted:
-            found.append("eviction")
-    return found
+            out.append((f"evict {step.kv.evicted}", "eviction"))
+    return out
+
+
+def step_concepts(step: Step) -> list[str]:
+    """The concepts of the step's events, each once, in event order."""
+    return list(dict.fromkeys(concept for _, concept in step_events(step)))
 
 
 def notes_line(concept: str, pin: str) -> str | None:
