@@ -163,3 +163,27 @@ def test_every_claim_holds_on_the_recorded_runs_the_site_links():
         assert run.meta.pin == PIN and run.finished, name
         failed = [v for v in verify.check_claims(run, name, note_ids, table) if not v.holds]
         assert not failed, [(v.note, v.step, v.evidence) for v in failed]
+
+
+def test_record_keeps_only_runs_whose_claims_all_hold(tmp_path, monkeypatch):
+    """`--record` writes the run a scenario's claims were proven on (small, no tensors) and nothing for a
+    scenario where a claim fails: a recorded run is evidence, so it is never one that contradicts a note."""
+    def planted_false(run):
+        raise proofs.ClaimFailed(run.steps[0].index, "planted: this claim never holds")
+
+    monkeypatch.setitem(verify.CHECKS, "planted_false", planted_false)
+    monkeypatch.setattr(verify, "recorded_run", lambda pin, scenario: tmp_path / "kept" / pin / scenario)
+    planted = tmp_path / "proofs.toml"
+    planted.write_text('[pool-free-order]\nscenario = "cmp_evict"\ncheck = "hashless_before_fresh_before_cached"\n'
+                       'claim.en = "a"\nclaim.zh = "甲"\n'
+                       '[sched-preempt-prepend]\nscenario = "cmp_preempt"\ncheck = "planted_false"\n'
+                       'claim.en = "b"\nclaim.zh = "乙"\n', encoding="utf-8")
+    r = CliRunner().invoke(app, ["annotations", "verify", "--pin", PIN, "--proofs", str(planted), "--record"],
+                           env={"COLUMNS": "200", "NO_COLOR": "1"})
+    assert r.exit_code == 1, r.output
+    kept = tmp_path / "kept" / PIN
+    assert sorted(p.name for p in kept.iterdir()) == ["cmp_evict"]
+    run = load_run(kept / "cmp_evict")
+    assert run.finished and not list((kept / "cmp_evict").rglob("*.safetensors"))
+    verdicts = verify.check_claims(run, "cmp_evict", ["pool-free-order"], verify.load_proofs(planted))
+    assert [v.holds for v in verdicts] == [True]
