@@ -400,9 +400,26 @@ def lab_check(
     raise typer.Exit(check_lab(directory, console, fresh))
 
 
+def _help_without_type(cmd) -> None:
+    """Typer 0.29 prints its own --help option with a value type (`<bool>`), though it takes none."""
+    get = cmd.get_help_option
+
+    def get_help_option(ctx):
+        opt = get(ctx)
+        if opt is not None:
+            opt.metavar = ""
+        return opt
+
+    cmd.get_help_option = get_help_option
+    for sub in getattr(cmd, "commands", {}).values():
+        _help_without_type(sub)
+
+
 def main() -> None:
+    command = typer.main.get_command(app)
+    _help_without_type(command)
     try:
-        app()
+        command()
     except TourError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
