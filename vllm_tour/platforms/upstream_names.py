@@ -1,0 +1,76 @@
+"""Is a qualified name bound in a pin's vLLM sources? Read with `ast`, never imported.
+
+A patch assigns `module.Class.attr` or `module.name`: it fits the pin when that name
+is bound there — by a def, a class, an assignment or an import (a re-export is followed
+to where it is defined), or, for a class attribute, in one of the class's bases.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from .plugin_source import _Module, _parse, _top_level
+
+_MAX_HOPS = 12  # re-exports and base classes followed before giving up (a cycle would loop)
+
+
+class UpstreamNames:
+    def __init__(self, package_root: Path):
+        self.root = Path(package_root)  # the `vllm` directory
+        self._modules: dict[str, _Module | None] = {}
+
+    def _module(self, dotted: str) -> _Module | None:
+        if dotted not in self._modules:
+            parts = dotted.split(".")
+            found = None
+            if parts[0] == self.root.name:
+                base = self.root.parent.joinpath(*parts)
+                for path, is_pkg in ((base / "__init__.py", True), (base.with_suffix(".py"), False)):
+                    if path.is_file():
+                        found = _Module(dotted, path, _parse(path, path.relative_to(self.root.parent).as_posix()), is_pkg)
+                        break
+            self._modules[dotted] = found
+        return self._modules[dotted]
+
+    def missing(self, qualname: str, hops: int = 0) -> str | None:
+        """None when `qualname` is bound on the pin; else why not, in words."""
+        if hops > _MAX_HOPS:
+            return f"{qualname}: too many re-exports to follow"
+        parts = qualname.split(".")
+        for i in range(len(parts), 0, -1):
+            if (mod := self._module(".".join(parts[:i]))) is not None:
+                break
+        else:
+            return f"no module {parts[0]}"
+        body, cls = mod.tree.body, None
+        for j in range(i, len(parts)):
+            node = _binding(body, parts[j])
+            if node is None:
+                for base in cls.bases if cls is not None else ():
+                    if (b := mod.absolute(base)) and self.missing(".".join([b, *parts[j:]]), hops + 1) is None:
+                        return None
+                return f"{parts[j]} is not defined in {'.'.join(parts[:j])}"
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                return self.missing(".".join([mod.aliases[parts[j]], *parts[j + 1 :]]), hops + 1)
+            if not isinstance(node, ast.ClassDef):
+                return None  # a def or a value: what it holds is not followed
+            body, cls = node.body, node
+        return None
+
+
+def _binding(body: list[ast.stmt], name: str) -> ast.stmt | None:
+    """The last statement in `body` (through if/try blocks) that binds `name`."""
+    found = None
+    for node in _top_level(body):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == name:
+            found = node
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names = {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+            if name in names:
+                found = node
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            if any((a.asname or a.name.split(".")[0]) == name for a in node.names):
+                found = node
+    return found
