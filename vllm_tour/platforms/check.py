@@ -23,7 +23,7 @@ from ..pins import load_pin, source_digest
 from ..probes import maca
 from ..probes.base import Probe
 from .plugin_source import PLATFORM_GROUP, Backend, EntryPoint, Patch, PluginSource, opened
-from .upstream_names import UpstreamNames
+from .package_names import PackageNames
 
 PLATFORMS = {maca.PLATFORM: maca}  # platform plugin -> its probe declarations module
 
@@ -84,8 +84,9 @@ def check_plugin(platform: str, pin: str, source: Path, tree=None) -> PluginRepo
                          f"the pinned sources (commit {dist.commit})" if same
                          else f"not the pinned sources: digest {digest} ({files} files), the pin says {dist.source_digest}"))
         f += _entry_point(report, dist.platform_plugin)
-        f += _patches(report, UpstreamNames(tree.root))
-        f += _probes(report, src, pinned.profile.attention_backends, tree, root / package)
+        upstream = PackageNames(tree.root)
+        f += _patches(report, upstream)
+        f += _probes(report, src, pinned.profile.attention_backends, upstream, PackageNames(root / package))
     return report
 
 
@@ -96,7 +97,7 @@ def _entry_point(report: PluginReport, want: str | None) -> list[Finding]:
                     f"{PLATFORM_GROUP}: {', '.join(have) or 'none'}" + ("" if ok else f" (the pin names {want})"))]
 
 
-def _patches(report: PluginReport, upstream: UpstreamNames) -> list[Finding]:
+def _patches(report: PluginReport, upstream: PackageNames) -> list[Finding]:
     out = []
     for p in report.patches:
         why = upstream.missing(p.target)
@@ -114,12 +115,10 @@ def _patches(report: PluginReport, upstream: UpstreamNames) -> list[Finding]:
     return out
 
 
-def _probes(report: PluginReport, src: PluginSource, backends: list[str], tree, package_dir: Path) -> list[Finding]:
+def _probes(report: PluginReport, src: PluginSource, backends: list[str], upstream: PackageNames,
+            plugin: PackageNames) -> list[Finding]:
     from ..probes.install import probes_for
-    from ..probes.static import hook_problems, source_params
-    from ..source.resolve import SourceTree
-
-    plugin_tree = SourceTree(package_dir, label=f"the {report.platform} plugin's sources")
+    from ..probes.static import hook_problems
     registered = {b.name: b for b in src.backends()}
     patched = {p.target: p for p in report.patches if p.applied_by}
     owners = PLATFORMS[report.platform].OWNER_METHOD
@@ -138,8 +137,7 @@ def _probes(report: PluginReport, src: PluginSource, backends: list[str], tree, 
             if p.target in seen:
                 continue
             seen.add(p.target)
-            on = plugin_tree if p.platform == report.platform else tree
-            out.append(_probe_finding(p, report.pin, on, source_params))
+            out.append(_probe_finding(p, plugin if p.platform == report.platform else upstream))
             if p.platform == report.platform and b is not None and p.name in owners:
                 got = src.class_method_return(b.class_path, owners[p.name])
                 want = p.target.rpartition(".")[0]
@@ -156,11 +154,11 @@ def _probes(report: PluginReport, src: PluginSource, backends: list[str], tree, 
     return out
 
 
-def _probe_finding(p: Probe, pin: str, tree, source_params) -> Finding:
+def _probe_finding(p: Probe, package: PackageNames) -> Finding:
     try:
-        names = source_params(tree, p.target)
+        names = package.params(p.target)
     except TourError as e:
-        return Finding("probe", p.target, False, f"probe {p.name}: target not found in {tree.label} ({e})")
+        return Finding("probe", p.target, False, f"probe {p.name}: target not found: {e}")
     ok = tuple(names[: len(p.params)]) == p.params
     return Finding("probe", p.target, ok, f"probe {p.name}: ({', '.join(names)})" if ok else
                    f"probe {p.name}: parameters ({', '.join(names)}), expected ({', '.join(p.params)}, ...)")

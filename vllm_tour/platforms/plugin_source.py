@@ -75,7 +75,8 @@ def opened(source: Path) -> Iterator[Path]:
             with tarfile.open(source) as tar:  # .tar.xz, .tar.gz, .tar: compression by content
                 tar.extractall(tmp, filter="data")
         except (tarfile.TarError, EOFError, OSError, ValueError) as e:
-            raise TourError(f"plugin sources {source}: not a readable tarball ({type(e).__name__}: {e})") from None
+            first = (str(e).splitlines() or [""])[0]  # tarfile lists every compression it tried, one per line
+            raise TourError(f"plugin sources {source}: not a readable tarball ({type(e).__name__}: {first})") from None
         yield _root(Path(tmp), source)
 
 

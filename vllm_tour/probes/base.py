@@ -172,8 +172,7 @@ def install(resolved: list[Resolved], recorder) -> int:
     """Replace each target with its wrapper; idempotent. Returns how many were new."""
     n = 0
     for r in resolved:
-        current = getattr(r.owner, r.attr)
-        if getattr(current, "__vllm_tour_probe__", None) == r.probe.name:
+        if _live(getattr(r.owner, r.attr), r.probe):
             continue  # installed by an earlier call in this process
         _wrap(r, recorder)
         if r.replaced_by:
@@ -184,9 +183,18 @@ def install(resolved: list[Resolved], recorder) -> int:
     return n
 
 
+def _live(fn: Any, probe: Probe) -> bool:
+    return getattr(fn, "__vllm_tour_probe__", None) == probe.name and fn.__vllm_tour_live__[0]
+
+
 def _wrap(r: Resolved, recorder) -> None:
+    """Install a wrapper of `r.original`; an earlier wrapper of this target stops recording (a plugin's
+    replacement may still call it: the call is recorded once, by the new wrapper)."""
     wrapper = make_wrapper(r, recorder)
     setattr(r.owner, r.attr, wrapper)
+    earlier = _INSTALLED.get((id(r.owner), r.attr))
+    if earlier is not None:
+        earlier[1].__vllm_tour_live__[0] = False
     _INSTALLED[(id(r.owner), r.attr)] = (r, wrapper)
 
 
@@ -197,7 +205,7 @@ def settle(recorder) -> list[Resolved]:
     again = []
     for r, wrapper in list(_INSTALLED.values()):
         current = getattr(r.owner, r.attr)
-        if current is wrapper or getattr(current, "__vllm_tour_probe__", None) == r.probe.name:
+        if current is wrapper or _live(current, r.probe):
             continue
         wrapper.__vllm_tour_live__[0] = False
         try:
