@@ -142,9 +142,7 @@ def make_wrapper(r: Resolved, recorder) -> Callable:
         if not recorder.active or (capture_only and not recorder.capture) or not live[0]:
             return original(*args, **kwargs)
         if unsettled[0]:
-            settle(recorder)
-            if not live[0]:  # a replacement that calls this wrapper: its own wrapper records the call
-                return original(*args, **kwargs)
+            settle(recorder)  # may retire this wrapper: this call is still recorded here, the next by the new one
         token = None
         if before is not None or recorder.fault == name:
             try:
