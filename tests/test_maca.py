@@ -107,6 +107,18 @@ def test_a_patch_of_what_the_pin_lacks_and_a_backend_class_the_probes_miss_fail(
     assert "not on pin v0.21.0" in failed[("patch", "vllm.v1.worker.gpu_runner_v9.GPUModelRunner._may_reorder_batch")]
     assert "get_builder_cls() returns no single name" in failed[("probe", "attention.build (TRITON_ATTN)")]
     assert "not the pinned sources" in rep.findings[0].detail
+    assert rep.replaced == []
+
+
+def test_a_patch_of_a_probe_target_is_named_as_replaced(sources, tmp_path, tree_v0210):
+    d = _copy(sources, tmp_path)
+    perf = d / "vllm_metax/patch/performance/speculative_decode_perf.py"
+    perf.write_text(perf.read_text() + "GPUModelRunner.execute_model = MacaGPUModelRunner._may_reorder_batch\n")
+    rep = check_plugin("maca", "v0.21.0", d, tree_v0210)
+    target = "vllm.v1.worker.gpu_model_runner.GPUModelRunner.execute_model"
+    assert rep.replaced == [target] and not rep.failures()
+    [f] = [f for f in rep.findings if f.check == "replaced"]
+    assert f.subject == target and "speculative_decode_perf.py:" in f.detail and "runner.execute_model" in f.detail
 
 
 def test_bad_plugin_sources_are_one_line_exit_2(sources, tmp_path, cli, tree_v0210):
