@@ -249,7 +249,7 @@ def probes(
     """
     from .pins import active_pin_tag, load_pin
     from .probes.base import resolve
-    from .probes.install import probes_for
+    from .probes.install import current_platform, probes_for
 
     tag = pin or active_pin_tag()
     if platform is not None or source is not None:
@@ -272,7 +272,7 @@ def probes(
     for col in ("probe", "target", "records", "pins", ""):
         table.add_column(col, overflow="fold")
     bad = []
-    for p in probes_for(tag):  # the pin's declarations, for its default attention backend
+    for p in probes_for(tag, platform=current_platform()):  # the pin's declarations, for its default attention backend
         try:
             resolve(p, tag)
             mark = "[green]ok[/]"

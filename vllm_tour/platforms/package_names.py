@@ -13,7 +13,7 @@ import ast
 from pathlib import Path
 
 from ..errors import TourError
-from .plugin_source import _Module, _parse, _top_level
+from .plugin_source import Module, parse_file, top_level
 
 _MAX_HOPS = 12  # re-exports and base classes followed before giving up (a cycle would loop)
 
@@ -21,9 +21,9 @@ _MAX_HOPS = 12  # re-exports and base classes followed before giving up (a cycle
 class PackageNames:
     def __init__(self, package_root: Path):
         self.root = Path(package_root)  # the `vllm` directory
-        self._modules: dict[str, _Module | None] = {}
+        self._modules: dict[str, Module | None] = {}
 
-    def _module(self, dotted: str) -> _Module | None:
+    def _module(self, dotted: str) -> Module | None:
         if dotted not in self._modules:
             parts = dotted.split(".")
             found = None
@@ -31,7 +31,7 @@ class PackageNames:
                 base = self.root.parent.joinpath(*parts)
                 for path, is_pkg in ((base / "__init__.py", True), (base.with_suffix(".py"), False)):
                     if path.is_file():
-                        found = _Module(dotted, path, _parse(path, path.relative_to(self.root.parent).as_posix()), is_pkg)
+                        found = Module(dotted, path, parse_file(path, path.relative_to(self.root.parent).as_posix()), is_pkg)
                         break
             self._modules[dotted] = found
         return self._modules[dotted]
@@ -77,7 +77,7 @@ class PackageNames:
 def _binding(body: list[ast.stmt], name: str) -> ast.stmt | None:
     """The last statement in `body` (through if/try blocks) that binds `name`."""
     found = None
-    for node in _top_level(body):
+    for node in top_level(body):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == name:
             found = node
         elif isinstance(node, (ast.Assign, ast.AnnAssign)):

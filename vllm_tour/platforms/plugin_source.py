@@ -88,7 +88,7 @@ def _root(d: Path, source: Path) -> Path:
     return found[0]
 
 
-def _parse(path: Path, label: str) -> ast.Module:
+def parse_file(path: Path, label: str) -> ast.Module:
     try:
         return ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
     except SyntaxError as e:
@@ -110,7 +110,7 @@ def entry_points(root: Path) -> list[EntryPoint]:
             out += [EntryPoint(group, name, value) for name, value in eps.items()]
     setup = root / "setup.py"
     if setup.is_file():
-        for node in ast.walk(_parse(setup, "setup.py")):
+        for node in ast.walk(parse_file(setup, "setup.py")):
             if isinstance(node, ast.keyword) and node.arg == "entry_points":
                 try:
                     groups = ast.literal_eval(node.value)
@@ -126,7 +126,9 @@ def entry_points(root: Path) -> list[EntryPoint]:
     return vllm
 
 
-class _Module:
+class Module:
+    """One parsed source file: its imports as absolute names (wherever they are in the file), its top-level defs."""
+
     def __init__(self, name: str, path: Path, tree: ast.Module, is_package: bool):
         self.name, self.path, self.tree = name, path, tree
         package = name if is_package else name.rpartition(".")[0]
@@ -166,15 +168,15 @@ def _absolute(package: str, module: str | None, level: int) -> str:
     return ".".join([*base, module] if module else base)
 
 
-def _top_level(body: list[ast.stmt]) -> Iterator[ast.stmt]:
+def top_level(body: list[ast.stmt]) -> Iterator[ast.stmt]:
     """Statements that run when the module is imported (into if/try/with blocks, not into defs or classes)."""
     for node in body:
         yield node
         if isinstance(node, (ast.If, ast.Try, ast.With, ast.For, ast.While)):
             for attr in ("body", "orelse", "finalbody"):
-                yield from _top_level(getattr(node, attr, []))
+                yield from top_level(getattr(node, attr, []))
             for h in getattr(node, "handlers", []):
-                yield from _top_level(h.body)
+                yield from top_level(h.body)
 
 
 class PluginSource:
@@ -187,9 +189,9 @@ class PluginSource:
         for p in self.packages:
             if not (root / p / "__init__.py").is_file():
                 raise TourError(f"plugin sources {root}: entry points name package {p}, which is not there")
-        self._modules: dict[str, _Module | None] = {}
+        self._modules: dict[str, Module | None] = {}
 
-    def module(self, name: str) -> _Module | None:
+    def module(self, name: str) -> Module | None:
         """A module of the plugin by dotted name; None when it is not the plugin's (vllm, torch) or no such file."""
         if name not in self._modules:
             base = self.root.joinpath(*name.split("."))
@@ -197,12 +199,12 @@ class PluginSource:
             if name.split(".")[0] in self.packages:
                 for path, is_pkg in ((base / "__init__.py", True), (base.with_suffix(".py"), False)):
                     if path.is_file():
-                        found = _Module(name, path, _parse(path, path.relative_to(self.root).as_posix()), is_pkg)
+                        found = Module(name, path, parse_file(path, path.relative_to(self.root).as_posix()), is_pkg)
                         break
             self._modules[name] = found
         return self._modules[name]
 
-    def all_modules(self) -> list[_Module]:
+    def all_modules(self) -> list[Module]:
         out = []
         for p in self.packages:
             for path in sorted((self.root / p).rglob("*.py")):
@@ -212,7 +214,7 @@ class PluginSource:
                     out.append(m)
         return out
 
-    def where(self, m: _Module, node: ast.AST) -> str:
+    def where(self, m: Module, node: ast.AST) -> str:
         return f"{m.path.relative_to(self.root).as_posix()}:{node.lineno}"
 
     # -- what importing / calling an entry point runs ---------------------------------------
@@ -233,9 +235,9 @@ class PluginSource:
             if dotted in seen or (m := self.module(dotted)) is None:
                 continue
             seen.add(dotted)
-            self._imports_in(m, list(_top_level(m.tree.body)), seen)
+            self._imports_in(m, list(top_level(m.tree.body)), seen)
 
-    def _imports_in(self, m: _Module, nodes, seen: set[str]) -> None:
+    def _imports_in(self, m: Module, nodes, seen: set[str]) -> None:
         package = m.name if m.path.name == "__init__.py" else m.name.rpartition(".")[0]
         for node in nodes:
             if isinstance(node, ast.Import):
@@ -248,7 +250,7 @@ class PluginSource:
                     if self.module(f"{base}.{a.name}") is not None:
                         self._import(f"{base}.{a.name}", seen)
 
-    def _call(self, m: _Module, fn: ast.AST, seen: set[str], called: set[str]) -> None:
+    def _call(self, m: Module, fn: ast.AST, seen: set[str], called: set[str]) -> None:
         key = f"{m.name}.{fn.name}"
         if key in called:
             return
@@ -294,7 +296,7 @@ class PluginSource:
         reached = {str(ep): self.reached(ep) for ep in self.entry_points}
         out: list[Patch] = []
         for m in self.all_modules():
-            for node in _top_level(m.tree.body):
+            for node in top_level(m.tree.body):
                 targets = node.targets if isinstance(node, ast.Assign) else []
                 for t in targets:
                     if isinstance(t, ast.Attribute) and (name := m.absolute(t)) and name.split(".")[0] == UPSTREAM:
@@ -317,7 +319,7 @@ class PluginSource:
         return None
 
 
-def _enum_member(m: _Module, node: ast.expr | None) -> str | None:
+def _enum_member(m: Module, node: ast.expr | None) -> str | None:
     if isinstance(node, ast.Attribute) and m.absolute(node.value) == BACKEND_ENUM:
         return node.attr
     return None
