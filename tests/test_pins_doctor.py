@@ -16,7 +16,6 @@ def test_checked_in_pin_matches_installed_vllm():
     assert pins.source_digest(inst.path) == (pin.source_digest, pin.source_files)
     # The wheel records no commit: the pin says so instead of inventing one.
     assert pin.commit is None and "records no commit" in pin.commit_note
-    assert pin.distributions["maca"].status == "untested"
 
 
 def test_doctor_exits_0_on_this_machine(cli):
@@ -105,8 +104,8 @@ def test_pin_merges_and_rewrites_a_checked_in_pin_only_with_write(tmp_path, monk
     pin, changes, path, written = pins.update_pin(None, None, None, write=True)
     assert written
     merged = tomllib.loads(f.read_text())
-    assert set(merged["distributions"]) == {"cpu", "cuda", "maca"}  # the sections this machine cannot know are kept
-    assert merged["distributions"]["maca"]["note"].startswith("MetaX")
+    assert set(merged["distributions"]) == {"cpu", "cuda"}  # the sections this machine cannot know are kept
+    assert merged["distributions"]["cuda"]["note"].startswith("not run by vllm-tour yet")
     assert merged["distributions"]["cpu"]["torch"] == pins.torch_version()
     # the hand-written profile (how vllm-tour runs this release) survives the rewrite, note and all
     assert merged["profile"] == tomllib.loads(stale)["profile"] and merged["profile"]["default_attention_backend"] == "CPU_ATTN"
@@ -117,6 +116,6 @@ def test_pin_command_says_what_changed(tmp_path, cli):
     r = cli("pin", "--out", f)  # --out: written, merged with what the file holds
     assert r.returncode == 0, r.stderr
     assert "distributions.cpu.torch: 0.0.0 -> 2.13.0+cpu" in r.stdout and f"wrote {f}" in r.stdout
-    assert set(tomllib.loads(f.read_text())["distributions"]) == {"cpu", "cuda", "maca"}
+    assert set(tomllib.loads(f.read_text())["distributions"]) == {"cpu", "cuda"}
     r = cli("pin")  # the checked-in pin matches this machine: nothing is rewritten
     assert r.returncode == 0 and "nothing to change" in r.stdout

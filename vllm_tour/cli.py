@@ -235,19 +235,44 @@ def trace(
 @app.command()
 def probes(
     pin: Optional[str] = typer.Option(None, "--pin", help="Pin tag to check the targets on (default: the pin of the installed vLLM)."),
+    platform: Optional[str] = typer.Option(None, "--platform", help="A platform plugin (maca): check its sources (--source) "
+                                           "statically against the pin and the probes declared for it."),
+    source: Optional[Path] = typer.Option(None, "--source", help="The plugin's sources: a .tar.xz/.tar.gz tarball "
+                                          "(`git archive` of its tag) or a directory. Never imported."),
+    as_json: bool = flag("--json", help="With --platform: machine-readable report on stdout."),
 ):
-    """List the declared probes: upstream target, what each records, the pins it supports. Exit 2 if a target is missing."""
+    """List the declared probes: upstream target, what each records, the pins it supports. Exit 2 if a target is missing.
+
+    With --platform maca --source PATH: list the plugin's entry points, the attention backends it registers and
+    the upstream functions it patches; check the patches exist on the pin, the probes declared for the platform
+    against its classes, and name the probe targets it replaces. Exit 0 clean, 1 on a failed check, 2 on bad input.
+    """
     from .pins import active_pin_tag, load_pin
     from .probes.base import resolve
-    from .probes.install import probes_for
+    from .probes.install import current_platform, probes_for
 
     tag = pin or active_pin_tag()
+    if platform is not None or source is not None:
+        if platform is None or source is None:
+            raise TourError("give --platform and --source together (e.g. --platform maca --source vllm-metax.tar.xz)")
+        import json
+
+        from .platforms.check import check_plugin, render
+
+        report = check_plugin(platform, tag, source)
+        if as_json:
+            print(json.dumps(report.to_json(), indent=1))
+        else:
+            render(report, console)
+        raise typer.Exit(1 if report.failures() else 0)
+    if as_json:
+        raise TourError("--json goes with --platform and --source")
     load_pin(tag)  # an unknown pin is named as such, not as a missing probe or backend
     table = Table(title=f"probes — pin {tag}", title_justify="left")
     for col in ("probe", "target", "records", "pins", ""):
         table.add_column(col, overflow="fold")
     bad = []
-    for p in probes_for(tag):  # the pin's declarations, for its default attention backend
+    for p in probes_for(tag, platform=current_platform()):  # the pin's declarations, for its default attention backend
         try:
             resolve(p, tag)
             mark = "[green]ok[/]"

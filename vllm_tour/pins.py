@@ -34,13 +34,21 @@ class Distribution(BaseModel):
     dist: str
     version: str
     torch: str | None = None
-    status: str = "tested"  # "tested" | "untested"
+    status: str = "tested"  # "tested" | "untested" | "static only (no hardware)"
     note: str | None = None
     # A trimmed copy of the release carried to a machine without a package index (the GPU
     # payload of shared/gpu/cuda-engine leaves out vllm/third_party/deep_gemm): its digest.
     carried_source_digest: str | None = None
     carried_source_files: int | None = None
     carried_note: str | None = None
+    # A platform plugin on top of vLLM (MACA: vllm-metax) is pinned by its own tag, commit and
+    # a digest of its package's Python sources (as `source_digest` is taken over `vllm/`).
+    tag: str | None = None
+    commit: str | None = None
+    source_digest: str | None = None
+    source_files: int | None = None
+    source_note: str | None = None
+    platform_plugin: str | None = None  # its `vllm.platform_plugins` entry point: "name = module:function"
 
 
 class PinProfile(BaseModel):

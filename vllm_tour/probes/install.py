@@ -8,19 +8,32 @@ before starting an engine, so a target missing on the pin fails fast, by name.
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import os
 
 from ..errors import TourError
 from ..trace.writer import RECORDER
-from . import attention, capture, kv, moe, runner, scheduler, tp
+from . import attention, capture, kv, maca, moe, runner, scheduler, tp
 from .base import Probe, Resolved, install, resolve
 
 PIN_ENV = "VLLM_TOUR_PIN"
 BACKEND_ENV = "VLLM_TOUR_ATTN_BACKEND"  # set by run_upstream: the attention backend the engine runs
+PLATFORM_ENV = "VLLM_TOUR_PLATFORM"  # a platform plugin's name (maca), overriding what is installed
 
 # Order matters only for reading: scheduler side, then worker side.
 PROBES: list[Probe] = [*scheduler.PROBES, *kv.PROBES, *runner.PROBES, *attention.PROBES, *capture.PROBES, *tp.PROBES,
-                      *moe.PROBES]
+                      *moe.PROBES, *maca.PROBES]
+PLATFORM_PACKAGES = {maca.PLATFORM: maca.PACKAGE}  # platform plugin -> the package it installs
+
+
+@functools.cache
+def current_platform() -> str | None:
+    """The platform plugin whose backend classes the attention probes target: VLLM_TOUR_PLATFORM, else the one
+    installed (found without importing it); None: upstream's own backends."""
+    if os.environ.get(PLATFORM_ENV):
+        return os.environ[PLATFORM_ENV]
+    return next((name for name, pkg in PLATFORM_PACKAGES.items() if importlib.util.find_spec(pkg) is not None), None)
 
 
 def current_pin() -> str:
@@ -35,13 +48,15 @@ def current_backend(pin: str) -> str | None:
     return os.environ.get(BACKEND_ENV) or pins.pin_profile(pin).default_attention_backend
 
 
-def probes_for(pin: str, backend: str | None = None, probes: list[Probe] | None = None) -> list[Probe]:
+def probes_for(pin: str, backend: str | None = None, probes: list[Probe] | None = None,
+               platform: str | None = None) -> list[Probe]:
     """The declarations that apply on `pin` with attention backend `backend` (default: the pin's).
 
     Probes without a backend apply on every pin (resolve() then refuses a pin they
     were not checked against), except `own_pins_only` ones, which apply on their pins only.
-    Backend-specific ones (attention, capture) are chosen by (pin, backend); a name with no
-    declaration for both is an error.
+    Backend-specific ones (attention, capture) are chosen by (platform, pin, backend): a platform
+    plugin (maca) registers its own classes under upstream's backend names. A name with no
+    declaration for all three is an error.
     """
     from .. import pins
 
@@ -52,23 +67,26 @@ def probes_for(pin: str, backend: str | None = None, probes: list[Probe] | None 
         raise TourError(f"pin {pin} has probes for the attention backends {', '.join(profile.attention_backends)} "
                         f"(its profile in pins/{pin}.toml), not {backend}")
     probes = [p for p in probes if not p.own_pins_only or pin in p.pins]
-    out = [p for p in probes if p.backend is None or (p.backend == backend and pin in p.pins)]
+    out = [p for p in probes if p.backend is None or (p.backend == backend and pin in p.pins and p.platform == platform)]
     chosen = {p.name for p in out}
     for name in dict.fromkeys(p.name for p in probes if p.backend is not None and p.name not in chosen):
-        have = ", ".join(f"{d.backend} on {'/'.join(d.pins)}" for d in probes if d.name == name)
-        raise TourError(f"probe {name}: no declaration for attention backend {backend} on pin {pin} (declared: {have})")
+        have = ", ".join(f"{d.backend}{f' ({d.platform})' if d.platform else ''} on {'/'.join(d.pins)}"
+                         for d in probes if d.name == name)
+        on = f" of platform {platform}" if platform else ""
+        raise TourError(f"probe {name}: no declaration for attention backend {backend}{on} on pin {pin} (declared: {have})")
     return out
 
 
-def check_probes(pin: str, probes: list[Probe] | None = None, backend: str | None = None) -> list[Resolved]:
+def check_probes(pin: str, probes: list[Probe] | None = None, backend: str | None = None,
+                 platform: str | None = None) -> list[Resolved]:
     """Resolve and signature-check every probe on `pin`; TourError names the first missing target."""
-    return [resolve(p, pin) for p in probes_for(pin, backend, probes)]
+    return [resolve(p, pin) for p in probes_for(pin, backend, probes, platform)]
 
 
 def install_all(pin: str | None = None, probes: list[Probe] | None = None, backend: str | None = None) -> int:
     """Resolve, check and install the probes; switch the recorder on from the environment."""
     pin = pin or current_pin()
-    resolved = check_probes(pin, probes, backend or current_backend(pin))
+    resolved = check_probes(pin, probes, backend or current_backend(pin), current_platform())
     n = install(resolved, RECORDER)
     RECORDER.activate_from_env()
     return n

@@ -25,6 +25,7 @@ from .schema import (
     MoERecord,
     Outputs,
     ProbeErrorRecord,
+    ProbeTargetRecord,
     Record,
     RunMeta,
     RunnerRecord,
@@ -57,6 +58,7 @@ class Run:
     errors: list[ProbeErrorRecord]
     warnings: list[str]
     tp_shards: dict[int, TPShardsRecord] = field(default_factory=dict)  # by TP rank (TP > 1 runs)
+    replaced_targets: list[ProbeTargetRecord] = field(default_factory=list)  # probe targets another plugin replaced
 
     @property
     def finished(self) -> bool:
@@ -139,6 +141,7 @@ def load_run(path: str | Path) -> Run:
     steps: dict[int, Step] = {}
     errors: list[ProbeErrorRecord] = []
     tp_shards: dict[int, TPShardsRecord] = {}
+    replaced: list[ProbeTargetRecord] = []
     for f in sorted(path.glob("records.*.jsonl")):
         for rec in read_records(f, warnings):
             s = steps.setdefault(rec.step, Step(rec.step))
@@ -161,9 +164,14 @@ def load_run(path: str | Path) -> Run:
                 errors.append(rec)
             elif isinstance(rec, MoERecord):
                 s.moe.setdefault(rec.proc.rank, []).append(rec)
+            elif isinstance(rec, ProbeTargetRecord):
+                replaced.append(rec)
+                warnings.append(f"probe {rec.probe}: its target {rec.target} is {rec.replaced_by} (another plugin "
+                                f"replaced it {rec.when.replace('_', ' ')}): the probe records that function")
     if meta.engine_args.get("probes", True) and not steps and meta.status == "ok":
         warnings.append("no trace records: the probes did not record (was the vllm-tour plugin installed?)")
     ordered = [steps[k] for k in sorted(steps)]
     # Step 0 only holds probe errors raised before the first schedule(): keep them, but not as a step.
     ordered = [s for s in ordered if s.index > 0 or s.scheduler or s.runner]
-    return Run(path=path, meta=meta, outputs=outputs, steps=ordered, errors=errors, warnings=warnings, tp_shards=tp_shards)
+    return Run(path=path, meta=meta, outputs=outputs, steps=ordered, errors=errors, warnings=warnings, tp_shards=tp_shards,
+               replaced_targets=replaced)

@@ -249,6 +249,17 @@ class ProbeErrorRecord(_Record):
     traceback: str
 
 
+class ProbeTargetRecord(_Record):
+    """A probe target another plugin replaced (vLLM runs general plugins in no set order): the function
+    found there is not upstream's, and the probe wraps it. Written at the first probe call of the process."""
+
+    kind: Literal["probe_target"] = "probe_target"
+    probe: str
+    target: str
+    replaced_by: str  # module.qualname of the function the probe wraps
+    when: Literal["before_install", "after_install"]
+
+
 Record = Annotated[
     Union[
         SchedulerRecord,
@@ -260,6 +271,7 @@ Record = Annotated[
         CollectiveRecord,
         ProbeErrorRecord,
         MoERecord,
+        ProbeTargetRecord,
     ],
     Field(discriminator="kind"),
 ]

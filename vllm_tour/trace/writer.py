@@ -15,7 +15,7 @@ from pathlib import Path
 
 import msgspec
 
-from .schema import Proc, ProbeErrorRecord
+from .schema import Proc, ProbeErrorRecord, ProbeTargetRecord
 
 RUN_DIR_ENV = "VLLM_TOUR_RUN_DIR"
 CAPTURE_ENV = "VLLM_TOUR_CAPTURE"  # comma-separated capture names
@@ -166,6 +166,11 @@ class Recorder:
             )
         except Exception:
             pass  # a probe error we cannot even write must still not reach the engine
+
+    def target_replaced(self, probe, replaced_by: str, when: str) -> None:
+        step = self.worker_step if probe.role == "worker" else self.sched_step
+        self.write(ProbeTargetRecord(step=step, proc=self.proc(probe.role), probe=probe.name, target=probe.target,
+                                     replaced_by=replaced_by, when=when))
 
     def keep_capture(self, name: str, tensor, step: int | None = None, **meta) -> None:
         """Keep a copy of `tensor` as capture `name` of this step (default: the worker's) when --capture asks
