@@ -190,7 +190,8 @@ def step_detail(run: Run, step: Step) -> Group:
         parts.append(t)
     for rank, a in sorted(step.attention.items()):
         layers = "; ".join(f"{l.layer} {l.kv_cache_shape} {l.kv_cache_dtype}" for l in a.layers)
-        parts.append(Text(f"attention (rank {rank}): {a.backend} layout {a.layout}; seq_lens {a.seq_lens}; query_lens {a.query_lens}; block_table {a.block_table}; kv cache {layers}"))
+        shape = f" {a.num_layers} layers × {a.num_kv_heads} KV heads × head size {a.head_size}," if a.num_layers is not None else ""
+        parts.append(Text(f"attention (rank {rank}): {a.backend}{shape} layout {a.layout}; seq_lens {a.seq_lens}; query_lens {a.query_lens}; block_table {a.block_table}; kv cache {layers}"))
     if step.collectives:
         parts.append(collectives_table(step))
     parts += moe_detail(step)
