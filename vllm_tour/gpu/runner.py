@@ -229,6 +229,15 @@ def _scenario(name: str):
     return sc
 
 
+def trace_scenario(name: str, attention_backend: str | None):
+    """The scenario the trace step runs: its variants, then --attention-backend unless a variant (+flash) set one
+    (neither: the pin's default, upstream_run.engine_kwargs)."""
+    sc = _scenario(name)
+    if attention_backend and sc.engine.attention_backend is None:
+        sc.engine.attention_backend = attention_backend
+    return sc
+
+
 def cmd_trace(a) -> int:
     from ..errors import TourError
     from ..upstream_run import CAPTURE_NAMES, run_upstream
@@ -241,9 +250,7 @@ def cmd_trace(a) -> int:
         run_dir = out / name
         capture = list(CAPTURE_NAMES) if name in a.capture.split(",") else []
         try:
-            sc = _scenario(name)
-            if a.attention_backend and sc.engine.attention_backend is None:  # a variant's (+flash) stays
-                sc.engine.attention_backend = a.attention_backend  # else the pin's default (engine_kwargs)
+            sc = trace_scenario(name, a.attention_backend)
             try:
                 run_upstream(sc, run_dir=run_dir, capture=capture)
                 results[name] = {"status": "ok", "probes": True, "capture": capture, **probe_errors(run_dir)}
@@ -408,14 +415,19 @@ def cmd_tokens(a) -> int:
 
 
 def cmd_carry_models(a) -> int:
-    """On CPU: build the dummy-weight models' directories (config + tokenizer) into OUT for the GPU machine."""
-    from ..models import DUMMY_CONFIGS, resolve_model
+    """On CPU: the dummy-weight models' directories (config + tokenizer, built here or found in the user cache)
+    copied into OUT/models/ under the same content-keyed names, for the GPU machine's model cache."""
+    import shutil
 
-    os.environ["VLLM_TOUR_CACHE"] = str(Path(a.out).resolve())
+    from ..models import DUMMY_CONFIGS, make_dummy_model
+
     for name in DUMMY_CONFIGS:
-        d = resolve_model(name, "dummy")
-        size = sum(f.stat().st_size for f in d.iterdir())
-        print(f"{name}: {d} ({size >> 10} KiB)", flush=True)
+        src = make_dummy_model(name)
+        dest = Path(a.out) / "models" / src.name
+        if not dest.is_dir():
+            shutil.copytree(src, dest)
+        size = sum(f.stat().st_size for f in dest.iterdir())
+        print(f"{name}: {dest} ({size >> 10} KiB)", flush=True)
     return 0
 
 
