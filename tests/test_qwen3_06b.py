@@ -113,6 +113,22 @@ def test_chat_flag_templates_the_prompt_before_any_engine(monkeypatch, tmp_path)
     assert "the prompt is 1 tokens" in str(CliRunner().invoke(app, args).exception)
 
 
+def test_dtype_and_load_format_options_reach_the_engine_spec():
+    """Both go to the scenario's [engine] (vLLM's names); a bad value is one error line before any engine."""
+    from typer.testing import CliRunner
+
+    from vllm_tour.cli import app
+    from vllm_tour.trace.command import build_scenario
+
+    sc = build_scenario(None, ["hi"], None, "Qwen3-0.6B", None, None, None, None, False,
+                        {"dtype": "bfloat16", "load_format": "dummy"})
+    assert (sc.engine.dtype, sc.engine.load_format) == ("bfloat16", "dummy")
+    r = CliRunner().invoke(app, ["trace", "-r", "hi", "--dtype", "fp64"])
+    assert "engine.dtype" in str(r.exception)
+    r = CliRunner().invoke(app, ["trace", "-r", "hi", "--load-format", "safetensors"])
+    assert "engine.load_format" in str(r.exception)
+
+
 # --- one live upstream run: Qwen3-0.6B, dummy weights, fp32, CPU ---------------------------------------------
 
 

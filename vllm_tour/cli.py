@@ -196,7 +196,7 @@ def trace(
     ignore_eos: bool = flag("--ignore-eos", help="Keep generating past EOS (fixed lengths)."),
     block_size: Optional[int] = typer.Option(None, help="Tokens per KV block (a multiple of 32 on CPU)."),
     num_blocks: Optional[int] = typer.Option(None, help="Usable KV blocks. Small (e.g. 8) forces preemption."),
-    kv_bytes: Optional[int] = typer.Option(None, help="KV cache size in bytes (default 64 MiB) when --num-blocks is not given."),
+    kv_bytes: Optional[int] = typer.Option(None, help="KV cache size in bytes when --num-blocks is not given (default 64 MiB, or two --max-model-len sequences of a larger model: 448 MiB for Qwen3-0.6B in float32)."),
     max_num_batched_tokens: Optional[int] = typer.Option(None, help="Token budget per step. Small (e.g. 32) forces chunked prefill."),
     max_num_seqs: Optional[int] = typer.Option(None, help="Most requests running at once."),
     max_model_len: Optional[int] = typer.Option(None, help="Longest sequence (default 1024)."),

@@ -41,7 +41,7 @@ class EngineSpec(BaseModel):
 
     block_size: int = 32  # CPU attention needs a multiple of 32
     num_blocks: int | None = None  # usable KV blocks (upstream adds one null block)
-    kv_cache_memory_bytes: int | None = None  # default 64 MiB when num_blocks is unset
+    kv_cache_memory_bytes: int | None = None  # when num_blocks is unset: upstream_run.default_kv_bytes (64 MiB, or more for a larger model)
     max_num_batched_tokens: int | None = None  # token budget per step (small: chunked prefill)
     max_num_seqs: int | None = None
     enable_prefix_caching: bool = True

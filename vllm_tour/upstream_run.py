@@ -285,6 +285,7 @@ def run_upstream(
         if fault:
             env["VLLM_TOUR_FAULT"] = fault
 
+    weights = weights_kind(scenario.model, scenario.engine.load_format)
     meta = RunMeta(
         tool_version=__version__,
         side="upstream",
@@ -293,14 +294,14 @@ def run_upstream(
         model=scenario.model,
         model_path=str(model_path),
         model_digest=_digest(model_digest, model_path),
-        weights=weights_kind(scenario.model, scenario.engine.load_format),
+        weights=weights,
+        weights_note=weights_note(scenario.model, weights),
         engine_args={**kwargs, "multiprocess": multiprocess, "probes": probes, "capture": names, "logprobs": logprobs},
         requests=[r.model_copy(update={"ignore_eos": bool(r.ignore_eos)}) for r in scenario.requests],
         env={},
         platform=platform_info(),
         started=time.time(),
     )
-    meta.weights_note = weights_note(scenario.model, meta.weights)
     with _env(env):
         meta.env = env_allow_list()
         write_json_atomic(run_dir / "meta.json", meta.model_dump(mode="json"))
