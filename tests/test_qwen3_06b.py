@@ -218,3 +218,25 @@ def test_golden_first_steps_are_the_live_runs(qwen3_run):
 
     diffs = first_differences(first_two(load_run(GOLDEN)), first_two(qwen3_run))
     assert not diffs, "re-record with python -m vllm_tour.trace.golden qwen3_06b_hello if intended:\n" + "\n".join(diffs)
+
+
+CUDA_GOLDENS = {"TritonAttention": GOLDEN_DIR / "v0.21.0" / "qwen3_06b_hello",
+                "FlashAttention": GOLDEN_DIR / "v0.21.0" / "flash_attn" / "qwen3_06b_hello"}
+
+
+@pytest.mark.parametrize("backend", CUDA_GOLDENS)
+def test_cuda_golden_traces_qwen3_on_each_backend(backend):
+    """The H200's traces of the headline scenario (upstream 0.21.0, bf16, `qwen3_06b_hello+bf16[+flash]`):
+    Qwen3-0.6B's shapes and "hello"'s id through every step, on the backend named."""
+    from vllm_tour.trace.reader import load_run
+
+    d = CUDA_GOLDENS[backend]
+    if not d.is_dir():
+        pytest.skip(f"{d.relative_to(GOLDEN_DIR)} is recorded on the H200 (README: On the H200)")
+    run = load_run(d)
+    assert run.meta.pin == "v0.21.0" and run.meta.weights == "dummy" and run.meta.engine_args["dtype"] == "bfloat16"
+    assert run.meta.requests[0].prompt_token_ids == KNOWN_IDS["hello"] and not run.errors and run.steps
+    for s in run.steps:
+        (att,) = s.attention.values()
+        assert (att.backend, att.num_layers, att.num_kv_heads, att.head_size) == (backend, 28, 8, 128)
+        assert att.layers[0].kv_cache_dtype == "bfloat16" and len(s.kv.block_tables["r0"]) == 1

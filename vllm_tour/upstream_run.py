@@ -128,6 +128,8 @@ def default_kv_bytes(scenario: Scenario, model_path: Path) -> int:
     start unless one does): Qwen3-0.6B in fp32 takes 224 KiB per token."""
     from .models import kv_bytes_per_token
 
+    if not (model_path / "config.json").is_file():  # nothing to size by (resolve_model ensures one for a run)
+        return DEFAULT_KV_BYTES
     per_seq = scenario.engine.max_model_len * kv_bytes_per_token(model_path, scenario.engine.dtype)
     return max(DEFAULT_KV_BYTES, DEFAULT_KV_SEQUENCES * per_seq)
 
