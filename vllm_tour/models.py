@@ -224,7 +224,7 @@ DUMMY_CONFIGS = {"Qwen3-0.6B": DATA_DIR / "qwen3-0.6b-config.json"}
 # Qwen3-0.6B's published generation_config.json: its two stop ids matter to the engine (the sampling
 # defaults do not: the tour passes its own SamplingParams).
 DUMMY_GENERATION_CONFIGS = {"Qwen3-0.6B": DATA_DIR / "qwen3-0.6b-generation-config.json"}
-DUMMY_BUILDER_VERSION = 2
+DUMMY_BUILDER_VERSION = 3
 
 
 def weights_kind(name: str, load_format: str) -> str:
@@ -249,9 +249,9 @@ def weights_note(model: str, kind: str) -> str | None:
 
 def dummy_model_dir(short: str) -> Path:
     """Named by what goes into it from this package (config, tokenizer config, builder): a change rebuilds it."""
-    h = hashlib.sha256(str(DUMMY_BUILDER_VERSION).encode())
     from .qwen3_tokenizer import TOKENIZER_CONFIG
 
+    h = hashlib.sha256(str(DUMMY_BUILDER_VERSION).encode())
     for f in (DUMMY_CONFIGS[short], DUMMY_GENERATION_CONFIGS[short], TOKENIZER_CONFIG):
         h.update(f.read_bytes())
     return cache_dir() / "models" / f"{short}-dummy-{h.hexdigest()[:16]}"
@@ -264,7 +264,7 @@ def make_dummy_model(short: str) -> Path:
     a directory built from other ranks is rebuilt. A directory carried to a machine without the package (the
     GPU machine) is used as it is.
     """
-    from .qwen3_tokenizer import ranks_digest, ranks_file, write_tokenizer_files
+    from .qwen3_tokenizer import ranks_digest, ranks_file, ranks_package, write_tokenizer_files
     from .writable import check_dir
 
     dest = dummy_model_dir(short)
@@ -290,7 +290,9 @@ def make_dummy_model(short: str) -> Path:
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
         shutil.copyfile(DUMMY_GENERATION_CONFIGS[short], tmp / "generation_config.json")
         write_tokenizer_files(tmp, ranks)
-        (tmp / "source.json").write_text(json.dumps({"ranks": str(ranks), "ranks_sha256": digest}, indent=1) + "\n")
+        # No local path in it: the directory's bytes (meta.model_digest) are the same on every machine.
+        source_info = {"ranks": f"{ranks_package()} resources/{ranks.name}", "ranks_sha256": digest}
+        (tmp / "source.json").write_text(json.dumps(source_info, indent=1) + "\n")
         if dest.exists():
             shutil.rmtree(dest)
         tmp.rename(dest)

