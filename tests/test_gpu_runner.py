@@ -181,3 +181,29 @@ def test_max_abs_by_kind_pools_ranks_layers_and_steps():
     assert got == {"all_gather_out.logits": {"max_abs": 5e-5, "n": 1, "out_of_tolerance": 0},
                    "all_reduce_in.o_proj": {"max_abs": 2e-6, "n": 1, "out_of_tolerance": 0},
                    "all_reduce_out.down_proj": {"max_abs": 3e-6, "n": 2, "out_of_tolerance": 1}}
+
+
+def test_flash_variant_wins_over_the_runs_backend():
+    """One run traces qwen3_06b_hello on both backends: +flash keeps FLASH_ATTN whatever --attention-backend says."""
+    assert runner.trace_scenario("qwen3_06b_hello+bf16", "TRITON_ATTN").engine.attention_backend == "TRITON_ATTN"
+    sc = runner.trace_scenario("qwen3_06b_hello+bf16+flash", "TRITON_ATTN")
+    assert (sc.engine.attention_backend, sc.engine.dtype, sc.engine.load_format) == ("FLASH_ATTN", "bfloat16", "dummy")
+    assert runner.trace_scenario("single", None).engine.attention_backend is None  # the pin's default
+
+
+def test_carried_models_become_every_steps_model_cache(tmp_path, monkeypatch):
+    """carry-models copies Qwen3-0.6B's built directory (tokenizer included) under its content-keyed name; with the
+    folder present, every step's VLLM_TOUR_CACHE points at it, where resolve_model finds it."""
+    from vllm_tour.models import dummy_model_dir
+
+    out = tmp_path / "tour-cache"
+    assert runner.main(["carry-models", "--out", str(out)]) == 0
+    (carried,) = (out / "models").iterdir()
+    assert (carried / "tokenizer.json").is_file() and (carried / "source.json").is_file()
+    monkeypatch.setattr(runner, "CARRIED_CACHE", out)
+    env = runner.step_env({}, None)
+    assert env["VLLM_TOUR_CACHE"] == str(out)
+    monkeypatch.setenv("VLLM_TOUR_CACHE", env["VLLM_TOUR_CACHE"])
+    assert dummy_model_dir("Qwen3-0.6B") == carried
+    monkeypatch.setattr(runner, "CARRIED_CACHE", tmp_path / "absent")
+    assert "VLLM_TOUR_CACHE" not in runner.step_env({}, None)

@@ -186,6 +186,9 @@ def trace(
     requests_file: Optional[Path] = typer.Option(None, help="A text file with one prompt per line."),
     scenario: Optional[Path] = typer.Option(None, "--scenario", "-s", help="A scenario TOML (see traces/scenarios/); flags below override it."),
     model: Optional[str] = typer.Option(None, help="tiny-qwen3 (default, generated offline), tiny-qwen3-moe, or a local/HF-cache name like Qwen3-0.6B."),
+    load_format: Optional[str] = typer.Option(None, "--load-format", help="vLLM's load_format. auto (default): the checkpoint's weights. dummy: random weights in the model's real shapes, no checkpoint needed (Qwen3-0.6B is built offline: shipped config, real tokenizer); the steps are the model's, its generated tokens are not meaningful."),
+    chat: bool = flag("--chat", help="Send each prompt as a user turn of the model's chat template (Qwen3: <|im_start|>user ... <|im_start|>assistant), as a chat client does."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="float32 (default), bfloat16, float16 or auto (vLLM's: the config's dtype)."),
     pin: Optional[str] = typer.Option(None, help="Pin tag (default: the pin of the installed vLLM)."),
     max_tokens: Optional[int] = typer.Option(None, help="Tokens to generate per request (default 16)."),
     temperature: Optional[float] = typer.Option(None, help="Sampling temperature (default 0: greedy)."),
@@ -193,7 +196,7 @@ def trace(
     ignore_eos: bool = flag("--ignore-eos", help="Keep generating past EOS (fixed lengths)."),
     block_size: Optional[int] = typer.Option(None, help="Tokens per KV block (a multiple of 32 on CPU)."),
     num_blocks: Optional[int] = typer.Option(None, help="Usable KV blocks. Small (e.g. 8) forces preemption."),
-    kv_bytes: Optional[int] = typer.Option(None, help="KV cache size in bytes (default 64 MiB) when --num-blocks is not given."),
+    kv_bytes: Optional[int] = typer.Option(None, help="KV cache size in bytes when --num-blocks is not given (default 64 MiB, or two --max-model-len sequences of a larger model: 448 MiB for Qwen3-0.6B in float32)."),
     max_num_batched_tokens: Optional[int] = typer.Option(None, help="Token budget per step. Small (e.g. 32) forces chunked prefill."),
     max_num_seqs: Optional[int] = typer.Option(None, help="Most requests running at once."),
     max_model_len: Optional[int] = typer.Option(None, help="Longest sequence (default 1024)."),
@@ -214,6 +217,8 @@ def trace(
 
       vllm-tour trace --request "hello"
 
+      vllm-tour trace --request "hello" --model Qwen3-0.6B --load-format dummy --chat   # Qwen3-0.6B's real shapes, no checkpoint
+
       vllm-tour trace -r "one prompt" -r "another" -r "a third" --num-blocks 7 --max-tokens 100 --ignore-eos   # preemption
 
       vllm-tour trace -r "a prompt of more than 32 tokens does not fit one step of a 32-token budget, so its prefill is split into chunks over several steps" --max-num-batched-tokens 32   # chunked prefill (60 tokens: 32 + 28)
@@ -226,9 +231,10 @@ def trace(
     engine = dict(
         block_size=block_size, num_blocks=num_blocks, kv_cache_memory_bytes=kv_bytes,
         max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-        enable_prefix_caching=prefix_caching, tensor_parallel_size=tp,
+        enable_prefix_caching=prefix_caching, tensor_parallel_size=tp, load_format=load_format, dtype=dtype,
     )
-    sc = command.build_scenario(scenario, request, requests_file, model, pin, max_tokens, temperature, seed, ignore_eos, engine)
+    sc = command.build_scenario(scenario, request, requests_file, model, pin, max_tokens, temperature, seed, ignore_eos, engine,
+                                chat)
     command.trace(sc, out, capture, capture_steps, multiprocess, console, logprobs, force)
 
 

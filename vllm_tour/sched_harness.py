@@ -46,7 +46,7 @@ def run_scheduler(scenario: Scenario, run_dir: Path, progress: Progress | None =
 
     tag = scenario.pin or active_pin_tag()
     check_pin(tag)
-    model_path = resolve_model(scenario.model)
+    model_path = resolve_model(scenario.model, scenario.engine.load_format)
     scenario.check_model(model_path)
     kwargs = engine_kwargs(scenario, model_path, tag)  # a bad engine.extra fails here, before vLLM is imported
     check_probes(tag, probes=scheduler_probes())

@@ -38,6 +38,7 @@ from .writable import check_dir
 
 Progress = Callable[[int, int, int], None]  # (engine steps done, requests finished, requests total)
 DEFAULT_KV_BYTES = 64 << 20
+DEFAULT_KV_SEQUENCES = 2  # a larger model's default pool holds this many max_model_len sequences
 MAX_STEPS = 100_000  # a guard against an engine that never finishes
 # probes/capture.py; tp: TP collectives and weight shards (probes/tp.py); MoE routing and outputs (probes/moe.py)
 CAPTURE_NAMES = ("attn_out", "kv_blocks", "tp", "router_logits", "moe_out", "moe_partial")
@@ -97,10 +98,12 @@ def engine_kwargs(scenario: Scenario, model_path: Path, pin: str) -> dict:
         seed=e.seed,
         enable_prefix_caching=e.enable_prefix_caching,
         tensor_parallel_size=e.tensor_parallel_size,
-        kv_cache_memory_bytes=e.kv_cache_memory_bytes or DEFAULT_KV_BYTES,
+        kv_cache_memory_bytes=e.kv_cache_memory_bytes or default_kv_bytes(scenario, model_path),
         disable_log_stats=True,
         use_tqdm_on_load=False,
     )
+    if e.load_format != "auto":
+        kw["load_format"] = e.load_format
     if e.num_blocks is not None:
         kw["num_gpu_blocks_override"] = e.num_blocks + 1  # + upstream's null block
     if e.max_num_batched_tokens is not None:
@@ -118,6 +121,17 @@ def engine_kwargs(scenario: Scenario, model_path: Path, pin: str) -> dict:
     kw.update(profile.engine_args)
     kw.update(extra_engine_args(e.extra, typed=kw.keys() - profile.engine_args.keys()))
     return kw
+
+
+def default_kv_bytes(scenario: Scenario, model_path: Path) -> int:
+    """64 MiB, or more for a model whose max_model_len sequences would not fit in it (upstream refuses to
+    start unless one does): Qwen3-0.6B in fp32 takes 224 KiB per token."""
+    from .models import kv_bytes_per_token
+
+    if not (model_path / "config.json").is_file():  # nothing to size by (resolve_model ensures one for a run)
+        return DEFAULT_KV_BYTES
+    per_seq = scenario.engine.max_model_len * kv_bytes_per_token(model_path, scenario.engine.dtype)
+    return max(DEFAULT_KV_BYTES, DEFAULT_KV_SEQUENCES * per_seq)
 
 
 def extra_engine_args(extra: dict, typed) -> dict:
@@ -229,7 +243,7 @@ def run_upstream(
     checked is checked before the engine starts: pin, model, capture names,
     every probe target, the prompts against the model, where the run dir goes.
     """
-    from .models import TINY_MODELS, model_digest, resolve_model, tiny_model_dir
+    from .models import TINY_MODELS, model_digest, resolve_model, tiny_model_dir, weights_kind, weights_note
     from .pins import active_pin_tag
     from .probes import cpu_isa
     from .probes.install import BACKEND_ENV, PIN_ENV, check_probes, install_all
@@ -243,7 +257,7 @@ def run_upstream(
         raise TourError(f"logprobs must be >= 0, got {logprobs}")
     if scenario.model in TINY_MODELS and not (tiny_model_dir(scenario.model) / "model.safetensors").exists():
         check_dir(cache_dir() / "models", "model cache (VLLM_TOUR_CACHE)")  # generated there on first use
-    model_path = resolve_model(scenario.model)
+    model_path = resolve_model(scenario.model, scenario.engine.load_format)
     scenario.check_model(model_path)
     run_dir = Path(run_dir) if run_dir else new_run_dir(scenario.name)
     check_dir(run_dir, "run directory")
@@ -273,6 +287,7 @@ def run_upstream(
         if fault:
             env["VLLM_TOUR_FAULT"] = fault
 
+    weights = weights_kind(scenario.model, scenario.engine.load_format)
     meta = RunMeta(
         tool_version=__version__,
         side="upstream",
@@ -281,6 +296,8 @@ def run_upstream(
         model=scenario.model,
         model_path=str(model_path),
         model_digest=_digest(model_digest, model_path),
+        weights=weights,
+        weights_note=weights_note(scenario.model, weights),
         engine_args={**kwargs, "multiprocess": multiprocess, "probes": probes, "capture": names, "logprobs": logprobs},
         requests=[r.model_copy(update={"ignore_eos": bool(r.ignore_eos)}) for r in scenario.requests],
         env={},

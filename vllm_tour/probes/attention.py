@@ -114,6 +114,9 @@ def _build_after(token, md, self, common_prefix_len, common_attn_metadata, *a, l
             "query_lens": np.diff(qsl).tolist(),
             "block_table": _block_rows(_np(md.block_table)[:num_reqs]),
             "layers": _layers(self),
+            "num_layers": len(self.layer_names),
+            "num_kv_heads": getattr(getattr(self, "kv_cache_spec", None), "num_kv_heads", None),
+            "head_size": getattr(getattr(self, "kv_cache_spec", None), "head_size", None),
         },
         flush=False,  # the runner record completes the step: one write() for both
     )
@@ -139,7 +142,7 @@ build = Probe(
     target=f"{CPU_ATTN}.CPUAttentionMetadataBuilder.build",
     params=("self", "common_prefix_len", "common_attn_metadata"),
     records="backend, per-request sequence and query lengths, block-table rows the kernel receives, "
-    "slot mapping, KV-cache layout and shape per layer",
+    "slot mapping, KV-cache layout and shape per layer, layer count, KV heads and head size",
     pins=PINS,
     after=_build_after,
     role="worker",

@@ -12,7 +12,6 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from ..errors import TourError
-from ..models import TINY_MODELS
 from ..scenario import Scenario, load_scenario, scenario_from_dict
 
 
@@ -27,8 +26,10 @@ def build_scenario(
     seed: int | None,
     ignore_eos: bool,
     engine: dict,
+    chat: bool = False,
 ) -> Scenario:
-    """A scenario from a file, from --request prompts, or a file overridden by flags."""
+    """A scenario from a file, from --request prompts, or a file overridden by flags; with `chat`, its
+    text prompts in the model's chat template (chat.apply_chat)."""
     prompts = list(prompts)
     if requests_file is not None:
         if not requests_file.is_file():
@@ -58,7 +59,12 @@ def build_scenario(
     if pin:
         data["pin"] = pin
     data["engine"] = {**data.get("engine", {}), **{k: v for k, v in engine.items() if v is not None}}
-    return scenario_from_dict(data, "trace options")
+    sc = scenario_from_dict(data, "trace options")
+    if chat:
+        from ..chat import apply_chat
+
+        sc = apply_chat(sc)
+    return sc
 
 
 def _slug(text: str) -> str:
@@ -113,8 +119,8 @@ def summarize(run, elapsed: float, console: Console) -> None:
     if run.outputs:
         for o in run.outputs.requests[:4]:
             print_(escape(f"  {o.req_id}: {len(o.token_ids)} tokens → {o.text[:50]!r}"))
-        if run.meta.model in TINY_MODELS:
-            print_(f"  [dim]({run.meta.model} has random weights: its text is gibberish by design; the steps are the point)[/]")
+        if run.meta.weights_note:
+            print_(f"  [dim]{escape(run.meta.weights_note)}[/]")
     if run.errors:
         print_(f"  [bold red]{len(run.errors)} probe error(s)[/]: " + escape(f"{run.errors[0].probe}: {run.errors[0].error}"))
     for w in run.warnings:

@@ -13,6 +13,9 @@ from .event_notes import notes_line, step_concepts
 from .experts import expert_view, moe_detail
 from .reader import Run, Step
 
+PROMPT_IDS_SHOWN = 16  # header: a prompt's first token ids
+PROMPTS_SHOWN = 8  # header: requests whose prompt ids are listed
+PROMPT_TEXT_SHOWN = 40  # header: characters of a prompt's text
 PALETTE = ["cyan", "magenta", "green", "yellow", "blue", "red", "bright_cyan", "bright_magenta", "bright_green", "bright_yellow", "bright_blue", "bright_red"]
 
 
@@ -187,7 +190,8 @@ def step_detail(run: Run, step: Step) -> Group:
         parts.append(t)
     for rank, a in sorted(step.attention.items()):
         layers = "; ".join(f"{l.layer} {l.kv_cache_shape} {l.kv_cache_dtype}" for l in a.layers)
-        parts.append(Text(f"attention (rank {rank}): {a.backend} layout {a.layout}; seq_lens {a.seq_lens}; query_lens {a.query_lens}; block_table {a.block_table}; kv cache {layers}"))
+        shape = f" {a.num_layers} layers × {a.num_kv_heads} KV heads × head size {a.head_size}," if a.num_layers is not None else ""
+        parts.append(Text(f"attention (rank {rank}): {a.backend}{shape} layout {a.layout}; seq_lens {a.seq_lens}; query_lens {a.query_lens}; block_table {a.block_table}; kv cache {layers}"))
     if step.collectives:
         parts.append(collectives_table(step))
     parts += moe_detail(step)
@@ -272,6 +276,23 @@ def header(run: Run) -> Text:
     # in block tables that never stores KV. "KV free" below counts the usable blocks only.
     blocks = f"KV blocks {usable} usable + 1 null (block 0, never allocated)" if usable is not None else "KV blocks: no KV records"
     t.append(f"block_size {e.get('block_size')} · {blocks} · prefix caching {e.get('enable_prefix_caching')} · TP {e.get('tensor_parallel_size')} · budget {e.get('max_num_batched_tokens', 'default')}\n", style="dim")
+    att = next((a for s in run.steps for _, a in sorted(s.attention.items())), None)
+    if att is not None and att.layers:
+        first = att.layers[0]
+        layers = (f"{att.num_layers} layers × {att.num_kv_heads} KV heads × head size {att.head_size}, "
+                  if att.num_layers is not None else "")
+        isa = f" ({att.isa})" if att.isa else ""
+        t.append(f"attention {att.backend}{isa}: {layers}KV cache per layer {first.kv_cache_shape} {first.kv_cache_dtype}, "
+                 f"layout {att.layout} · dtype {e.get('dtype')}\n", style="dim")
+    for r in m.requests[:PROMPTS_SHOWN]:
+        ids = r.prompt_token_ids or []
+        more = ", …" if len(ids) > PROMPT_IDS_SHOWN else ""
+        text = f"{r.prompt[:PROMPT_TEXT_SHOWN]!r}{'…' if len(r.prompt) > PROMPT_TEXT_SHOWN else ''} → " if r.prompt is not None else ""
+        t.append(f"{r.req_id}: {text}{len(ids)} prompt tokens [{', '.join(map(str, ids[:PROMPT_IDS_SHOWN]))}{more}]\n", style="dim")
+    if len(m.requests) > PROMPTS_SHOWN:
+        t.append(f"… and {len(m.requests) - PROMPTS_SHOWN} more requests\n", style="dim")
+    if m.weights_note:
+        t.append(m.weights_note + "\n", style="yellow")
     return t
 
 

@@ -169,6 +169,11 @@ class AttentionRecord(_Record):
     query_lens: list[int]
     block_table: list[list[int]]  # rows the backend received, batch order (trailing zeros = null block trimmed)
     layers: list[AttentionLayer]  # only layers whose shape/dtype differ from the first are listed after it
+    # The model's attention shape as the backend holds it (None: recorded before these fields): how many
+    # layers this metadata serves, and the KV-cache spec's KV heads (per TP rank) and head size.
+    num_layers: int | None = None
+    num_kv_heads: int | None = None
+    head_size: int | None = None
 
 
 # --- mixture of experts ---------------------------------------------------------------
@@ -308,6 +313,10 @@ class RunMeta(BaseModel):
     model: str
     model_path: str
     model_digest: str | None = None
+    # "checkpoint": the model's own weights; "dummy": upstream's load_format="dummy" (random values in the
+    # model's real shapes); "generated": a tiny model's seeded weights. None: recorded before this field.
+    weights: Literal["checkpoint", "dummy", "generated"] | None = None
+    weights_note: str | None = None  # what in this trace is the model's and what is not, in words
     engine_args: dict
     requests: list[RequestSpec]
     env: dict[str, str]  # allow-listed variables only: never secrets
