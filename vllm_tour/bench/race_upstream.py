@@ -48,13 +48,14 @@ class Reported(logging.Handler):
 
 
 def flash_attn_version():
-    """The FlashAttention version vLLM picks on this GPU (3 on Hopper), or None where it has no answer."""
+    """The FlashAttention version vLLM picks on this GPU by default (3 on Hopper), or why it could not say."""
+    why = []
     for mod in ("vllm.v1.attention.backends.fa_utils", "vllm.attention.utils.fa_utils"):
         try:
             return __import__(mod, fromlist=["get_flash_attn_version"]).get_flash_attn_version()
-        except (ImportError, AttributeError):
-            continue
-    return None
+        except Exception as e:  # noqa: BLE001 - a figure's context, recorded with the reason, never fatal
+            why.append(f"{mod}: {type(e).__name__}: {e}"[:200])
+    return {"unknown": why}
 
 
 def main():
@@ -95,7 +96,7 @@ def main():
         "max_num_seqs": cfg.scheduler_config.max_num_seqs,
         "max_num_batched_tokens": cfg.scheduler_config.max_num_batched_tokens,
         "vllm": vllm.__version__, "torch": torch.__version__,
-        "upstream_reported": {"attention_config_backend": str(getattr(cfg.attention_config, "backend", None)),
+        "upstream_reported": {"attention_config_backend": str(getattr(getattr(cfg, "attention_config", None), "backend", None)),
                               "flash_attn_version": flash_attn_version(),
                               "compilation_mode": str(getattr(cc, "mode", None)),
                               "cudagraph_mode": str(getattr(cc, "cudagraph_mode", None)),
