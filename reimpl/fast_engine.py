@@ -321,7 +321,12 @@ class FastEngine:
         ids, rows, starts, lens = [], np.empty(n_sched, np.int64), np.empty(n_sched, np.int64), np.empty(n_sched, np.int64)
         sample_idx, sample_rids, prev_dst, prev_src = [], [], [], []
         total = 0
-        for i, s in enumerate(out.scheduled):
+        # Longest sequence first: the attention kernel's programs start in row order, so the long ones start
+        # first and the short ones fill the end (longest-processing-time-first; in the race's decode steps,
+        # contexts of ~100 to ~2000 tokens side by side, the longest started last would run alone at the
+        # end). Only the rows' order changes: each row samples for its own request.
+        order = sorted(out.scheduled, key=lambda s: -(s.num_computed_tokens + s.num_tokens))
+        for i, s in enumerate(order):
             req = reqs[s.req_id]
             start, n = s.num_computed_tokens, s.num_tokens
             r = self._row(s.req_id)

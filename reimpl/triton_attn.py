@@ -20,8 +20,7 @@ version and the exact tensor conventions):
 - GQA: ``num_q_heads / num_kv_heads`` query heads share one KV head;
 - fp32 / bf16 / fp16 inputs, fp32 accumulation, output in the input dtype;
 - the softmax is computed *online* (FlashAttention style), one KV tile at a
-  time, so the full score matrix never exists.
-
+  time, so the full score matrix never exists;
 - small decode batches split each sequence's keys into segments merged by a
   second kernel (flash-decoding; upstream's "3D" path and ``reduce_segments``).
 
@@ -383,8 +382,10 @@ def paged_attention_kernel(
 # --------------------------------------------------------------------------
 #
 # A decode program streams its whole sequence alone. When the batch has few
-# sequences, or sequences of very different lengths, a handful of long
-# programs is still running while most SMs have nothing left to do. Cutting
+# sequences, a handful of long programs runs while most SMs have nothing to
+# do. (Sequences of very different lengths are better served by starting
+# the long ones first -- the mini engine orders its rows so -- than by
+# splitting: the partials' traffic costs more than the tail it saves.) Cutting
 # every sequence's keys into segments of a fixed length gives many programs
 # of about the same length; each writes its un-normalised (acc, m, l), and
 # this kernel merges them: with M = max_s m_s and w_s = exp2(m_s - M),

@@ -52,6 +52,8 @@ SHAPES = {
     "decode B256 x ctx1024": (256, 1, 1024),
     # the race's decode steps: sequences of many lengths side by side (uniform, seed 0)
     "decode B256 x ctx100-2000": (256, 1, (100, 2000)),
+    # the same lengths, longest first (the order the mini engine gives its decode rows)
+    "decode B256 x ctx100-2000 longest first": (256, 1, (100, 2000, "longest first")),
     # the race's last steps: a few long sequences (8 x 8 KV heads = 64 programs for 132 SMs)
     "decode B8 x ctx4096": (8, 1, 4096),
     "prefill 4 x 1024": (4, 1024, 1024),
@@ -84,11 +86,12 @@ def load_upstream(vllm_src: str | None):
 
 
 def seq_lens_of(num_seqs, seq_len, seed=0) -> list[int]:
-    """One length for all, or lengths uniform in (shortest, longest)."""
+    """One length for all, or lengths uniform in (shortest, longest[, "longest first"])."""
     if isinstance(seq_len, int):
         return [seq_len] * num_seqs
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(seq_len[0], seq_len[1] + 1, (num_seqs,), generator=g).tolist()
+    lens = torch.randint(seq_len[0], seq_len[1] + 1, (num_seqs,), generator=g).tolist()
+    return sorted(lens, reverse=True) if seq_len[2:] == ("longest first",) else lens
 
 
 def make_inputs(num_seqs, q_len, seq_len, device="cuda", seed=0):
