@@ -442,7 +442,12 @@ class LaunchConfig:
     heads_first: bool = False  # decode only: launch a sequence's KV heads one after the other
 
 
-def choose_config(max_seqlen_q: int, num_tokens: int, num_seqs: int, group: int) -> LaunchConfig:
+# Fewer decode programs than this (sequences x KV heads) leave SMs idle: split the keys. Upstream's rule too
+# (MIN_LAUNCH_GRID_SIZE_2D in vllm.v1.attention.backends.triton_attn, its 3D path).
+MIN_DECODE_PROGRAMS = 128
+
+
+def choose_config(max_seqlen_q: int, num_tokens: int, num_seqs: int, group: int, num_kv_heads: int) -> LaunchConfig:
     """Why these numbers (measured on an H200 with the bench's ``--sweep``,
     head 128, bf16, GROUP 2; see the closing table in the bench script):
 
@@ -462,12 +467,12 @@ def choose_config(max_seqlen_q: int, num_tokens: int, num_seqs: int, group: int)
       programs of one sequence's KV heads run one after the other
       (``heads_first``): their keys share the cache's 2 KB rows. This reads
       the KV cache at the speed of a plain device-to-device copy.
-    - Decode with at most 16 sequences: keys split into segments of 4 tiles
-      (section 4). 8 sequences x 8 KV heads are 64 programs for 132 SMs;
-      split, B8 x 4096 ran 2.4x faster. From 64 sequences up, the split
-      was 5-15% slower (the partials' extra traffic and the reduce launch):
-      the programs already fill the GPU. Upstream's threshold is the same
-      (its 3D path, for <= 16 decode sequences).
+    - Decode with at most MIN_DECODE_PROGRAMS programs (16 sequences x 8
+      KV heads): keys split into segments of 4 tiles (section 4). 8
+      sequences x 8 KV heads are 64 programs for 132 SMs; split, B8 x 4096
+      ran 2.4x faster. From 64 sequences up, the split was 5-15% slower
+      (the partials' extra traffic and the reduce launch): the programs
+      already fill the GPU.
     - Long prefill: BLOCK_Q * GROUP = 64 rows per program. Each K/V tile is
       reused by 64 query rows instead of 16, so the kernel does 4x the math
       per byte loaded; it runs at ~185 TFLOP/s on 4 x 1024 (3.1x faster
@@ -478,7 +483,8 @@ def choose_config(max_seqlen_q: int, num_tokens: int, num_seqs: int, group: int)
       q-blocks are what gives the grid enough programs to fill 132 SMs.
     """
     if max_seqlen_q == 1:
-        return LaunchConfig(block_q=1, tile_n=64, num_warps=4, num_stages=2, seg_tiles=4 if num_seqs <= 16 else 0,
+        split = num_seqs * num_kv_heads <= MIN_DECODE_PROGRAMS
+        return LaunchConfig(block_q=1, tile_n=64, num_warps=4, num_stages=2, seg_tiles=4 if split else 0,
                             heads_first=True)
     avg_q = num_tokens / max(num_seqs, 1)
     rows = 64 if avg_q >= 256 else 16
@@ -519,7 +525,7 @@ def paged_attention(
     if max_seqlen_q is None:
         max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
     if config is None:
-        config = choose_config(max_seqlen_q, num_tokens, num_seqs, group)
+        config = choose_config(max_seqlen_q, num_tokens, num_seqs, group, num_kv_heads)
 
     # See _attend_tile: the CPU interpreter cannot tl.dot bf16 operands.
     interpret_bf16 = os.environ.get("TRITON_INTERPRET") == "1" and q.dtype == torch.bfloat16

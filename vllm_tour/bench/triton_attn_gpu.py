@@ -204,7 +204,7 @@ def main():
         t_up = bench(run_upstream)
         t_re = bench(run_reimpl)
         byts, flops = traffic(B, ql, sl)
-        cfg = choose_config(ql, B * ql, B, NUM_Q_HEADS // NUM_KV_HEADS)
+        cfg = choose_config(ql, B * ql, B, NUM_Q_HEADS // NUM_KV_HEADS, NUM_KV_HEADS)
         results[name] = dict(
             upstream_ms=t_up, reimpl_ms=t_re, ratio_time=t_re / t_up,
             throughput_vs_upstream=t_up / t_re,
