@@ -222,8 +222,9 @@ class FastQwen3:
             return rms_norm(x, self.norm, self.eps)
         return fused_add_rms_norm(delta, x, self.norm, self.eps)[0]
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
+    def logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        out = F.linear(hidden, self.lm_head)
+        return out.float() if upcast else out
 
 
 # --------------------------------------------------------------------------
@@ -290,6 +291,7 @@ class FastEngine:
         self.row_of: dict[str, int] = {}
         self.free_rows = list(range(cfg.max_num_seqs - 1, -1, -1))
         self.gen = torch.Generator(device=self.device).manual_seed(cfg.seed)
+        self.sample_calls = 0  # keys the fused sampler's noise
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.stats = RunStats()
         # top-k token ids per sampled position, per request (for vLLM's logprob rule); 0 = off
@@ -319,7 +321,12 @@ class FastEngine:
         ids, rows, starts, lens = [], np.empty(n_sched, np.int64), np.empty(n_sched, np.int64), np.empty(n_sched, np.int64)
         sample_idx, sample_rids, prev_dst, prev_src = [], [], [], []
         total = 0
-        for i, s in enumerate(out.scheduled):
+        # Longest sequence first: the attention kernel's programs start in row order, so the long ones start
+        # first and the short ones fill the end (longest-processing-time-first; in the race's decode steps,
+        # contexts of ~100 to ~2000 tokens side by side, the longest started last would run alone at the
+        # end). Only the rows' order changes: each row samples for its own request.
+        order = sorted(out.scheduled, key=lambda s: -(s.num_computed_tokens + s.num_tokens))
+        for i, s in enumerate(order):
             req = reqs[s.req_id]
             start, n = s.num_computed_tokens, s.num_tokens
             r = self._row(s.req_id)
@@ -395,7 +402,8 @@ class FastEngine:
         if not x.sample_rids:
             self.prev_index = {}
             return InFlight(out, [], None, None, None)
-        logits = self.model.logits(hidden[d["sample_idx"]])
+        # the fused sampler reads the model dtype; the torch sampler and the top-k record want fp32
+        logits = self.model.logits(hidden[d["sample_idx"]], upcast=not self.model.fused or self.record_topk > 0)
         tokens = self.sample(logits, d["temps"], bool((temps <= 0).all()))
         self.prev_tokens, self.prev_index = tokens, {rid: i for i, rid in enumerate(x.sample_rids)}
         top = logits.topk(self.record_topk, dim=-1).indices if self.record_topk else None
@@ -421,7 +429,14 @@ class FastEngine:
         return dict(zip(f.sample_rids, f.tokens.tolist()))
 
     def sample(self, logits: torch.Tensor, temps: torch.Tensor, all_greedy: bool) -> torch.Tensor:
-        """temps: [rows] float32 on the device; <= 0 means greedy."""
+        """temps: [rows] float32 on the device; <= 0 means greedy. On a GPU (with the fused kernels) one
+        Triton pass over the logits (fused_ops.sample: Gumbel-max without the softmax), noise keyed by the
+        engine's seed and the step; elsewhere the same draw in torch ops with the engine's generator."""
+        if self.model.fused:
+            from .fused_ops import sample
+
+            self.sample_calls += 1
+            return sample(logits, temps, self.cfg.seed * 1_000_003 + self.sample_calls)
         greedy = logits.argmax(-1)
         if all_greedy:
             return greedy

@@ -213,3 +213,48 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 def silu_and_mul_ref(x):
     return qwen3_numerics.silu_and_mul(*x.chunk(2, dim=-1))
+
+
+# --------------------------------------------------------------------------
+# 4. Sampling: temperature + Gumbel-max + argmax in one pass over the logits
+# --------------------------------------------------------------------------
+# argmax(p / E) with E ~ Exp(1) draws from p (sampler.py); with p = softmax(x / t) and E = -log(U),
+# log(p / E) = x / t - logsumexp(x / t) - log(-log U): the normaliser is the same for every token, so
+# the draw is argmax(x / t + G) with Gumbel noise G = -log(-log U) -- no softmax, no probabilities
+# tensor, one read of the logits. A temperature <= 0 row takes the plain argmax. Ties go to the lowest
+# token id, as torch.argmax. Upstream (v0.21.0, FlashInfer off) does this in torch: divide, softmax,
+# exponential_, divide, argmax (vllm.v1.sample.ops.topk_topp_sampler.random_sample), ~5 passes over
+# [rows, vocab] fp32; the noise here is Triton's Philox (tl.rand), keyed by (seed, row, token).
+@triton.jit
+def _sample_kernel(logits_ptr, stride, temps_ptr, out_ptr, V, seed, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    t = tl.load(temps_ptr + row)
+    greedy = t <= 0.0
+    inv_t = 1.0 / tl.where(greedy, 1.0, t)
+    noise_on = tl.where(greedy, 0.0, 1.0)
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_idx = tl.zeros([BLOCK], tl.int32)
+    base = logits_ptr + row.to(tl.int64) * stride
+    for start in range(0, V, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        m = offs < V
+        x = tl.load(base + offs, mask=m, other=float("-inf")).to(tl.float32)
+        u = tl.rand(seed, row * V + offs)
+        g = -tl.log(-tl.log(tl.maximum(u, 1e-20)))
+        score = x * inv_t + g * noise_on
+        take = score > best  # strict: a lane keeps its lowest token id among equals
+        best = tl.where(take, score, best)
+        best_idx = tl.where(take, offs, best_idx)
+    top = tl.max(best, axis=0)
+    tl.store(out_ptr + row, tl.min(tl.where(best == top, best_idx, V), axis=0))
+
+
+def sample(logits: torch.Tensor, temps: torch.Tensor, seed: int) -> torch.Tensor:
+    """One token id per row of `logits` [rows, vocab] (any float dtype); temps [rows] fp32, <= 0 = greedy.
+    `seed` keys the noise: give each step its own."""
+    rows, V = logits.shape
+    assert logits.stride(1) == 1
+    out = torch.empty(rows, device=logits.device, dtype=torch.int64)
+    if rows:
+        _sample_kernel[(rows,)](logits, logits.stride(0), temps, out, V, seed, BLOCK=2048, num_warps=8)
+    return out

@@ -20,26 +20,25 @@ version and the exact tensor conventions):
 - GQA: ``num_q_heads / num_kv_heads`` query heads share one KV head;
 - fp32 / bf16 / fp16 inputs, fp32 accumulation, output in the input dtype;
 - the softmax is computed *online* (FlashAttention style), one KV tile at a
-  time, so the full score matrix never exists.
+  time, so the full score matrix never exists;
+- small decode batches split each sequence's keys into segments merged by a
+  second kernel (flash-decoding; upstream's "3D" path and ``reduce_segments``).
 
 What upstream has and this file leaves out, on purpose: sliding windows,
 ALiBi, softcap, attention sinks, FP8/INT8 KV quantization, multimodal
-prefix ranges, Intel tensor descriptors, and the "3D" split-KV decode path
-(``reduce_segments``) that upstream uses for small decode batches when the
-caller hands it scratch buffers. Each is a mask or a scale bolted onto the
-same loop you see here.
+prefix ranges and Intel tensor descriptors. Each is a mask or a scale
+bolted onto the same loop you see here.
 
 Run it on a CPU with ``TRITON_INTERPRET=1`` (slow, numpy underneath, but
 exact enough to test); on a GPU it compiles as usual. ``engine_attention`` at
 the bottom plugs it into the mini engine in place of ``reimpl/paged_attn.py``'s
 torch loop.
 
-Measured on an H200 (bf16, 16 q / 8 kv heads, head 128, page 16; script
-``vllm_tour/bench/triton_attn_gpu.py``): decode B64 x 4096 in 0.256 ms = 4.2 TB/s
-(upstream 0.290 ms), prefill 4 x 1024 in 0.093 ms (upstream 0.288 ms). Nothing
-here is cleverer than upstream's kernel: the speed comes from choosing the
-tiling per batch shape (``choose_config``) where upstream uses one
-16-row tiling for everything.
+Nothing here is cleverer than upstream's kernel: its speed on an H200 (the
+README's benchmark table; ``python -m vllm_tour.bench.triton_attn_gpu``)
+comes from choosing the tiling per batch shape (``choose_config``) where
+upstream uses one 16-row tiling for everything, and from a decode path
+without the q-block search.
 """
 
 from __future__ import annotations
@@ -255,24 +254,41 @@ def paged_attention_kernel(
     stride_vb,
     stride_vs,
     stride_vh,
+    part_acc_ptr,  # split keys only: [num_tokens, num_q_heads, MAX_SEGS, HEAD_PAD] fp32 partial numerators
+    part_ml_ptr,  # split keys only: [num_tokens, num_q_heads, MAX_SEGS, 2] fp32 running max and denominator
+    MAX_SEGS: tl.constexpr,  # segments per row in the partial buffers (a power of two)
+    SEG_TILES: tl.constexpr,  # KV tiles per segment; 0 = one program reads all of its sequence's keys
     GROUP: tl.constexpr,  # query heads per KV head
     PAGE: tl.constexpr,  # tokens per KV-cache block
     HEAD_SIZE: tl.constexpr,
     HEAD_PAD: tl.constexpr,  # next power of two >= HEAD_SIZE (tl.arange needs it)
     BLOCK_Q: tl.constexpr,  # query tokens per program
+    DECODE_ONLY: tl.constexpr,  # every sequence has exactly one query token (then BLOCK_Q == 1)
+    HEADS_FIRST: tl.constexpr,  # grid axis 0 = KV head, axis 1 = q-block (else the other way round)
+    NUM_KV_HEADS: tl.constexpr,
     BLOCK_M: tl.constexpr,  # rows per program = pow2 >= max(16, BLOCK_Q * GROUP)
     TILE_N: tl.constexpr,  # keys per inner-loop step
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,  # interpreter-only workaround, see _attend_tile
 ):
-    qblock_id = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    if HEADS_FIRST:  # consecutive programs: the KV heads of one sequence, which sit side by side in the cache
+        kv_head = tl.program_id(0)
+        qblock_id = tl.program_id(1)
+    else:
+        qblock_id = tl.program_id(0)
+        kv_head = tl.program_id(1)
 
     # ---- which sequence, which of its query tokens --------------------------
-    seq = _find_seq(cu_seqlens_q_ptr, qblock_id, num_seqs, BLOCK_Q)
-    q_start = tl.load(cu_seqlens_q_ptr + seq)
-    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
-    qblock_local = qblock_id - (q_start // BLOCK_Q + seq)
+    if DECODE_ONLY:  # one query token per sequence: program i serves sequence i, no search
+        seq = qblock_id
+        q_start = tl.load(cu_seqlens_q_ptr + seq)
+        q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+        qblock_local = 0
+    else:
+        seq = _find_seq(cu_seqlens_q_ptr, qblock_id, num_seqs, BLOCK_Q)
+        q_start = tl.load(cu_seqlens_q_ptr + seq)
+        q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+        qblock_local = qblock_id - (q_start // BLOCK_Q + seq)
     if qblock_local * BLOCK_Q >= q_len:
         return  # a spare id of the upper-bound grid (see _find_seq)
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -301,13 +317,25 @@ def paged_attention_kernel(
     n_full_tiles = (context_len + first_tok + 1) // TILE_N
     full_end = n_full_tiles * TILE_N
 
+    # ---- split keys: this program reads one segment of them ----------------
+    # A segment is SEG_TILES tiles; segments past the sequence's end have
+    # nothing to do (the reduce kernel knows how many a row has).
+    if SEG_TILES > 0:
+        seg_lo = tl.program_id(2) * (SEG_TILES * TILE_N)
+        if seg_lo >= kv_end:
+            return
+        seg_hi = tl.minimum(seg_lo + SEG_TILES * TILE_N, kv_end)
+    else:
+        seg_lo = 0
+        seg_hi = kv_end
+
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
     bt_row = block_table_ptr + seq.to(tl.int64) * stride_bt
 
     # Phase 1: tiles wholly in every row's past -- no masks.
-    for tile_start in range(0, full_end, TILE_N):
+    for tile_start in range(seg_lo, tl.minimum(full_end, seg_hi), TILE_N):
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, tile_start, kv_end, q_abs_pos,
             k_cache_ptr, v_cache_ptr, bt_row, kv_head,
@@ -316,7 +344,7 @@ def paged_attention_kernel(
             TILE_N, PAGE, False, DOT_PRECISION, UPCAST_DOT,
         )  # fmt: skip
     # Phase 2: the diagonal and the sequence end -- masked.
-    for tile_start in range(full_end, kv_end, TILE_N):
+    for tile_start in range(tl.maximum(full_end, seg_lo), seg_hi, TILE_N):
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, tile_start, kv_end, q_abs_pos,
             k_cache_ptr, v_cache_ptr, bt_row, kv_head,
@@ -324,6 +352,15 @@ def paged_attention_kernel(
             qk_scale, offs_d, d_mask,
             TILE_N, PAGE, True, DOT_PRECISION, UPCAST_DOT,
         )  # fmt: skip
+
+    if SEG_TILES > 0:
+        # Un-normalised partials; _reduce_segments_kernel merges a row's
+        # segments exactly as the online softmax merges tiles.
+        part = ((q_start + q_tok).to(tl.int64) * (GROUP * NUM_KV_HEADS) + q_head) * MAX_SEGS + tl.program_id(2)
+        tl.store(part_acc_ptr + part[:, None] * HEAD_PAD + offs_d[None, :], acc, mask=row_ok[:, None])
+        tl.store(part_ml_ptr + part * 2, m_i, mask=row_ok)
+        tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
+        return
 
     # ---- normalise once at the end and store --------------------------------
     # Every real row sees at least key 0, so l_i > 0 there; padding rows have
@@ -341,7 +378,56 @@ def paged_attention_kernel(
 
 
 # --------------------------------------------------------------------------
-# 4. The launcher: pick the tiling, size the grid
+# 4. Split keys (flash-decoding): merge a decode row's segments
+# --------------------------------------------------------------------------
+#
+# A decode program streams its whole sequence alone. When the batch has few
+# sequences, a handful of long programs runs while most SMs have nothing to
+# do. (Sequences of very different lengths are better served by starting
+# the long ones first -- the mini engine orders its rows so -- than by
+# splitting: the partials' traffic costs more than the tail it saves.) Cutting
+# every sequence's keys into segments of a fixed length gives many programs
+# of about the same length; each writes its un-normalised (acc, m, l), and
+# this kernel merges them: with M = max_s m_s and w_s = exp2(m_s - M),
+#     out = sum_s w_s * acc_s / sum_s w_s * l_s.
+# Upstream's counterpart is ``reduce_segments`` (its "3D" decode path).
+@triton.jit
+def _reduce_segments_kernel(
+    out_ptr,
+    part_acc_ptr,
+    part_ml_ptr,
+    seq_lens_ptr,
+    stride_ot,
+    stride_oh,
+    NUM_Q_HEADS: tl.constexpr,
+    MAX_SEGS: tl.constexpr,
+    SEG_LEN: tl.constexpr,  # keys per segment
+    HEAD_SIZE: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+):
+    tok = tl.program_id(0)  # a decode row: token index == sequence index
+    head = tl.program_id(1)
+    n_seg = tl.cdiv(tl.load(seq_lens_ptr + tok), SEG_LEN)
+    segs = tl.arange(0, MAX_SEGS)
+    seg_ok = segs < n_seg
+    part = (tok.to(tl.int64) * NUM_Q_HEADS + head) * MAX_SEGS + segs
+    m = tl.load(part_ml_ptr + part * 2, mask=seg_ok, other=float("-inf"))
+    l = tl.load(part_ml_ptr + part * 2 + 1, mask=seg_ok, other=0.0)
+    offs_d = tl.arange(0, HEAD_PAD)
+    d_mask = offs_d < HEAD_SIZE
+    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_PAD + offs_d[None, :],
+                  mask=seg_ok[:, None] & d_mask[None, :], other=0.0)
+    w = tl.math.exp2(m - tl.max(m, axis=0))  # segment 0 always has key 0: the max is finite
+    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+    if UPCAST_DOT:
+        out = _round_to_bf16(out)
+    tl.store(out_ptr + tok.to(tl.int64) * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
+             mask=d_mask)
+
+
+# --------------------------------------------------------------------------
+# 5. The launcher: pick the tiling, size the grid
 # --------------------------------------------------------------------------
 @dataclass(frozen=True)
 class LaunchConfig:
@@ -352,9 +438,16 @@ class LaunchConfig:
     tile_n: int  # keys per inner-loop step
     num_warps: int
     num_stages: int
+    seg_tiles: int = 0  # decode only: split each sequence's keys into segments of this many tiles (0: no split)
+    heads_first: bool = False  # decode only: launch a sequence's KV heads one after the other
 
 
-def choose_config(max_seqlen_q: int, num_tokens: int, num_seqs: int, group: int) -> LaunchConfig:
+# Fewer decode programs than this (sequences x KV heads) leave SMs idle: split the keys. Upstream's rule too
+# (MIN_LAUNCH_GRID_SIZE_2D in vllm.v1.attention.backends.triton_attn, its 3D path).
+MIN_DECODE_PROGRAMS = 128
+
+
+def choose_config(max_seqlen_q: int, num_tokens: int, num_seqs: int, group: int, num_kv_heads: int) -> LaunchConfig:
     """Why these numbers (measured on an H200 with the bench's ``--sweep``,
     head 128, bf16, GROUP 2; see the closing table in the bench script):
 
@@ -367,9 +460,19 @@ def choose_config(max_seqlen_q: int, num_tokens: int, num_seqs: int, group: int)
       memory per program means fewer programs resident per SM, and decode
       needs many of them to hide memory latency.
     - 4 warps: 8 warps halved decode throughput with TILE_N <= 64 (more
-      threads, same bytes in flight, more synchronisation).
+      threads, same bytes in flight, more synchronisation); 2 warps were the
+      same as 4.
     - Decode (every sequence has 1 query): BLOCK_Q = 1, one program per
-      (sequence, KV head); the GROUP heads are the only real rows.
+      (sequence, KV head); the GROUP heads are the only real rows. The
+      programs of one sequence's KV heads run one after the other
+      (``heads_first``): their keys share the cache's 2 KB rows. This reads
+      the KV cache at the speed of a plain device-to-device copy.
+    - Decode with at most MIN_DECODE_PROGRAMS programs (16 sequences x 8
+      KV heads): keys split into segments of 4 tiles (section 4). 8
+      sequences x 8 KV heads are 64 programs for 132 SMs; split, B8 x 4096
+      ran 2.4x faster. From 64 sequences up, the split was 5-15% slower
+      (the partials' extra traffic and the reduce launch): the programs
+      already fill the GPU.
     - Long prefill: BLOCK_Q * GROUP = 64 rows per program. Each K/V tile is
       reused by 64 query rows instead of 16, so the kernel does 4x the math
       per byte loaded; it runs at ~185 TFLOP/s on 4 x 1024 (3.1x faster
@@ -380,7 +483,9 @@ def choose_config(max_seqlen_q: int, num_tokens: int, num_seqs: int, group: int)
       q-blocks are what gives the grid enough programs to fill 132 SMs.
     """
     if max_seqlen_q == 1:
-        return LaunchConfig(block_q=1, tile_n=64, num_warps=4, num_stages=2)
+        split = num_seqs * num_kv_heads <= MIN_DECODE_PROGRAMS
+        return LaunchConfig(block_q=1, tile_n=64, num_warps=4, num_stages=2, seg_tiles=4 if split else 0,
+                            heads_first=True)
     avg_q = num_tokens / max(num_seqs, 1)
     rows = 64 if avg_q >= 256 else 16
     return LaunchConfig(block_q=max(1, rows // group), tile_n=64, num_warps=4, num_stages=2)
@@ -420,23 +525,48 @@ def paged_attention(
     if max_seqlen_q is None:
         max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
     if config is None:
-        config = choose_config(max_seqlen_q, num_tokens, num_seqs, group)
+        config = choose_config(max_seqlen_q, num_tokens, num_seqs, group, num_kv_heads)
 
     # See _attend_tile: the CPU interpreter cannot tl.dot bf16 operands.
     interpret_bf16 = os.environ.get("TRITON_INTERPRET") == "1" and q.dtype == torch.bfloat16
-    block_m = max(16, triton.next_power_of_2(config.block_q * group))
-    grid = (num_tokens // config.block_q + num_seqs, num_kv_heads)
+    head_pad = triton.next_power_of_2(head_size)
+    # Split keys (section 4) only for decode rows, where a row's keys are its sequence's: the reduce
+    # counts a row's segments from seq_lens. The grid covers the longest sequence the block table can
+    # hold, so it is the same for every step of a CUDA graph; segments past a sequence's end exit at once.
+    seg_tiles = config.seg_tiles if max_seqlen_q == 1 else 0
+    block_q = 1 if seg_tiles else config.block_q
+    block_m = max(16, triton.next_power_of_2(block_q * group))
+    if seg_tiles:
+        seg_len = seg_tiles * config.tile_n
+        n_segs = -(-block_table.shape[1] * page // seg_len)
+        max_segs = triton.next_power_of_2(n_segs)
+        part_acc = torch.empty(num_tokens, num_q_heads, max_segs, head_pad, device=q.device, dtype=torch.float32)
+        part_ml = torch.empty(num_tokens, num_q_heads, max_segs, 2, device=q.device, dtype=torch.float32)
+    else:
+        part_acc = part_ml = out  # not read
+        max_segs = 1
+    # A decode batch needs one program per sequence; otherwise the upper bound of _find_seq's numbering.
+    decode_only = max_seqlen_q == 1 and block_q == 1
+    heads_first = decode_only and config.heads_first
+    n_qblocks = num_seqs if decode_only else num_tokens // block_q + num_seqs
+    grid = ((num_kv_heads, n_qblocks) if heads_first else (n_qblocks, num_kv_heads)) + (n_segs if seg_tiles else 1,)
     paged_attention_kernel[grid](
         out, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q,
         scale * LOG2E, num_seqs,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        part_acc, part_ml,
+        MAX_SEGS=max_segs,
+        SEG_TILES=seg_tiles,
         GROUP=group,
         PAGE=page,
         HEAD_SIZE=head_size,
-        HEAD_PAD=triton.next_power_of_2(head_size),
-        BLOCK_Q=config.block_q,
+        HEAD_PAD=head_pad,
+        BLOCK_Q=block_q,
+        DECODE_ONLY=decode_only,
+        HEADS_FIRST=heads_first,
+        NUM_KV_HEADS=num_kv_heads,
         BLOCK_M=block_m,
         TILE_N=config.tile_n,
         DOT_PRECISION="ieee" if (q.dtype == torch.float32 or interpret_bf16) else "tf32",
@@ -444,11 +574,17 @@ def paged_attention(
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )  # fmt: skip
+    if seg_tiles:
+        _reduce_segments_kernel[(num_tokens, num_q_heads)](
+            out, part_acc, part_ml, seq_lens, out.stride(0), out.stride(1),
+            NUM_Q_HEADS=num_q_heads, MAX_SEGS=max_segs, SEG_LEN=seg_len,
+            HEAD_SIZE=head_size, HEAD_PAD=head_pad, UPCAST_DOT=interpret_bf16,
+        )  # fmt: skip
     return out
 
 
 # --------------------------------------------------------------------------
-# 5. Plugging the kernel into the mini engine
+# 6. Plugging the kernel into the mini engine
 # --------------------------------------------------------------------------
 def engine_attention(q, k_new, v_new, cache, meta, bf16_weights: bool = False) -> torch.Tensor:
     """Drop-in for ``reimpl.paged_attn.paged_attention`` (the mini engine's

@@ -104,8 +104,28 @@ def case_forward(dt):
             "v_cache": verdict(torch.stack([v for _, v in c1]), torch.stack([v for _, v in c0]), dt, TOL_FORWARD)}
 
 
+def case_sample(dt):
+    """Greedy rows (temperature 0): torch.argmax, ties to the lowest id. Temperature rows (fp32 only: the
+    noise does not depend on the dtype, and 192 rows are slow in the interpreter): 192 draws from one row
+    of logits land as softmax(x / t) says (tolerance ~3.5 standard deviations; with t ignored or without
+    noise the frequencies are >= 0.18 off)."""
+    g = torch.Generator().manual_seed(0)
+    greedy = torch.randn(3, 3000, generator=g).to(dt)
+    greedy[0, 7] = greedy[0, 2500] = 50.0  # a tie across the kernel's 2048-wide chunks
+    picked = fo.sample(greedy, torch.zeros(3), seed=1)
+    res = {"greedy": {"ok": picked.tolist() == greedy.float().argmax(-1).tolist()}}
+    if dt != torch.float32:
+        return res
+    x = torch.tensor([0.0, 1.0, 2.0, 3.0])
+    rows, t = 192, 2.0
+    drawn = fo.sample(x.to(dt).repeat(rows, 1), torch.full((rows,), t), seed=7)
+    freq = torch.bincount(drawn, minlength=4).float() / rows
+    err = float((freq - torch.softmax(x / t, -1)).abs().max())
+    return {**res, "draw": {"ok": err < 0.12, "max_abs": err}}
+
+
 CASES = {"add_rms_norm": case_add_rms_norm, "qk_norm_rope_kv": case_qk_norm_rope_kv,
-         "silu_and_mul": case_silu_and_mul, "forward": case_forward}
+         "silu_and_mul": case_silu_and_mul, "forward": case_forward, "sample": case_sample}
 
 
 def main():

@@ -51,8 +51,11 @@ CASES = {
     "mha_page32_head40": dict(q=[3, 1], s=[50, 64], h=(2, 2), d=40, page=32),
 }
 # Launch configs beyond the default: q-blocks of several tokens (decode rows
-# then mix with padding rows), and tiles smaller than / straddling pages.
-EXTRA_CONFIGS = [LaunchConfig(4, 16, 4, 1), LaunchConfig(2, 64, 4, 1)]
+# then mix with padding rows), tiles smaller than / straddling pages, and
+# decode keys split into segments of 16 and 64 keys (a mixed batch runs them
+# unsplit: segments are for decode rows only).
+EXTRA_CONFIGS = [LaunchConfig(4, 16, 4, 1), LaunchConfig(2, 64, 4, 1), LaunchConfig(1, 16, 4, 1, seg_tiles=1),
+                 LaunchConfig(1, 32, 4, 1, seg_tiles=2)]
 
 
 def diff(a, b, dtype):
@@ -117,7 +120,8 @@ def main():
         inp = inputs(case, torch.float32, seed=1)
         ref = paged_attention_reference(**inp)
         for cfg in EXTRA_CONFIGS:
-            res["configs"][f"{case}-{cfg.block_q}x{cfg.tile_n}"] = diff(paged_attention(**inp, config=cfg), ref, torch.float32)
+            name = f"{case}-{cfg.block_q}x{cfg.tile_n}" + (f"-seg{cfg.seg_tiles}" if cfg.seg_tiles else "")
+            res["configs"][name] = diff(paged_attention(**inp, config=cfg), ref, torch.float32)
     res["reimpl_s"] = time.time() - t0
 
     t0 = time.time()

