@@ -36,6 +36,9 @@ class Probe:
     # Installed only on its own pins: a subsystem other pins run elsewhere (the CPU MoE experts kernel
     # is no target on a CUDA pin). Otherwise a pin it was not checked against is an error.
     own_pins_only: bool = False
+    # Records only what crosses tensor-parallel ranks: left out of a run known to be TP=1, where it
+    # would cost a wrapper call per layer per step and record nothing.
+    multi_rank: bool = False
 
 
 @dataclass

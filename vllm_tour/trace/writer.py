@@ -69,15 +69,14 @@ class Recorder:
         self.worker_step = 0  # model-runner execute_model calls
         self.in_execute = False
         self.rank = 0
-        self.kv_step = None  # scratch for the KV record of the step being scheduled
         self.kv_pending_freed: list[int] = []
         self.kv_prev_tables: dict[str, list[int]] = {}  # block tables of the previous KV record
+        self.kv_prev_step: int | None = None  # its step: the next record's tables are a delta against it
         self.kv_pending_evicted: list[int] = []
-        self.last_alloc_failure: dict | None = None
         self.preempted: list = []
         self.runner_pending = None
         self.layers_info = None
-        self.attn_prev_table = None  # (copy of the previous step's block table, its trimmed rows)
+        self.attn_prev_table = None  # (step, copy of the block table the previous attention record saw)
         self.captures: dict[str, object] = {}
         self.capture_meta: dict[str, dict] = {}
 
