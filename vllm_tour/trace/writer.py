@@ -27,11 +27,14 @@ FAULT_ENV = "VLLM_TOUR_FAULT"  # a probe name: that probe raises (tests)
 _SUFFIX = re.compile(r"-[0-9a-f]{8}$")
 
 
+MAX_CACHED_IDS = 4096  # more than a batch holds: cleared at most once per ~4,000 new requests
+
+
 class _UserIds(dict):
     """internal id -> user id, computed once per id (a C-level dict lookup on hits)."""
 
     def __missing__(self, internal_id: str) -> str:
-        if len(self) >= 65536:  # bounded: a long traced run sees many ids once each
+        if len(self) >= MAX_CACHED_IDS:  # bounded: a long traced run sees many ids once each (~200 B each)
             self.clear()
         user = self[internal_id] = _SUFFIX.sub("", internal_id)
         return user
