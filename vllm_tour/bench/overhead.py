@@ -13,9 +13,11 @@ Rounds alternate A B B A ...: A runs with the probes uninstalled (pristine
 upstream callables), B with them installed and recording at the metadata level
 (scheduler, KV, runner and attention records; no tensors; no TP probes at TP=1).
 
-Three figures, because the machines this runs on are shared:
+Four figures, because the machines this runs on are shared:
   wall  — mean step wall time, traced / untraced (what a user feels; noisy
           when other processes compete for the 2 cores);
+  pairs — the same per A B B A block of four adjacent rounds (a slow drift of
+          the machine's load cancels within a block): median and spread;
   cpu   — mean step CPU time of this process, traced / untraced (barely moved
           by other processes);
   hooks — CPU time spent inside the probe hooks per step, as a share of the
@@ -179,6 +181,7 @@ def main() -> None:
     engine = LLMEngine.from_engine_args(engine_args)
     run_round(engine, reqs, SamplingParams, "warmup", temperature)
     order = (["A", "B", "B", "A"] * rounds)[: 2 * rounds]
+    rounds_wall: list[float] = []  # in run order
     wall: dict[str, list[float]] = {"A": [], "B": []}
     cpu: dict[str, list[float]] = {"A": [], "B": []}
     traced_steps = steps = 0
@@ -192,6 +195,7 @@ def main() -> None:
                 RECORDER.deactivate()
                 uninstall(resolved)
             wall[side].append(statistics.mean(w))
+            rounds_wall.append(wall[side][-1])
             cpu[side].append(statistics.mean(c))
             steps = len(w)
         trace_bytes = sum(os.path.getsize(os.path.join(tmp, f)) for f in os.listdir(tmp))
@@ -210,6 +214,8 @@ def main() -> None:
     mn = {s: min(v) for s, v in wall.items()}
     cmn = {s: min(v) for s, v in cpu.items()}
     hooks = sum(hook_s.values()) / traced_steps
+    blocks = [rounds_wall[i : i + 4] for i in range(0, len(rounds_wall) - 3, 4)]  # A B B A
+    pairs = sorted((b[1] + b[2]) / (b[0] + b[3]) for b in blocks)
     top = sorted(hook_s.items(), key=lambda kv: -kv[1])[:4]
     hw = hardware()
     goal = 1.02 if args.gpu else 1.03
@@ -223,6 +229,9 @@ def main() -> None:
     print(f"rounds:   {rounds} per side, interleaved A B B A; {trace_bytes // 1024} KiB of records written by the traced rounds")
     print(f"wall:     untraced {med['A'] * 1e3:.2f} ms/step, traced {med['B'] * 1e3:.2f} ms/step (medians over rounds) -> ratio {med['B'] / med['A']:.3f}")
     print(f"cpu:      untraced {cmed['A'] * 1e3:.2f} ms/step, traced {cmed['B'] * 1e3:.2f} ms/step (medians over rounds) -> ratio {cmed['B'] / cmed['A']:.3f}")
+    if pairs:
+        print(f"pairs:    wall ratio per A B B A block: median {statistics.median(pairs):.3f}, "
+              f"spread {pairs[0]:.3f}..{pairs[-1]:.3f} over {len(pairs)} blocks")
     print(f"minimum:  wall untraced {mn['A'] * 1e3:.2f} / traced {mn['B'] * 1e3:.2f} ms/step -> ratio {mn['B'] / mn['A']:.3f}; "
           f"cpu {cmn['A'] * 1e3:.2f} / {cmn['B'] * 1e3:.2f} -> ratio {cmn['B'] / cmn['A']:.3f} (fastest round per side)")
     print(f"hooks:    {hooks * 1e6:.0f} us CPU per step inside probe hooks (extra timed rounds) = {hooks / cmed['A']:.1%} of the untraced step's CPU time")
@@ -236,7 +245,8 @@ def main() -> None:
             "vllm_version": vllm.__version__, "pin": tag, "engine": shapes, "workload": work, "steps_per_round": steps,
             "rounds_per_side": rounds, "trace_bytes": trace_bytes, "goal": goal,
             "ratio": {"wall": round(med["B"] / med["A"], 4), "cpu": round(cmed["B"] / cmed["A"], 4),
-                      "wall_min": round(mn["B"] / mn["A"], 4), "cpu_min": round(cmn["B"] / cmn["A"], 4)},
+                      "wall_min": round(mn["B"] / mn["A"], 4), "cpu_min": round(cmn["B"] / cmn["A"], 4),
+                      "wall_blocks": [round(x, 4) for x in pairs]},
             "ms_per_step": {"wall": {s: [round(x * 1e3, 3) for x in v] for s, v in wall.items()},
                             "cpu": {s: [round(x * 1e3, 3) for x in v] for s, v in cpu.items()}},
             "hooks_us_per_step": round(hooks * 1e6, 1),

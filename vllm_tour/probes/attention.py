@@ -62,7 +62,7 @@ def _block_rows(table: np.ndarray) -> dict:
     n = min(len(old), len(table))
     rows = np.flatnonzero((table[:n] != old[:n]).any(axis=1)).tolist()
     rows.extend(range(n, len(table)))
-    return {"block_table": _trim_rows(table[rows]), "block_table_since": prev[0], "block_table_rows": rows}
+    return {"block_table": _trim_rows(table[rows]) if rows else [], "block_table_since": prev[0], "block_table_rows": rows}
 
 
 def _layers(builder) -> list[dict]:
@@ -106,7 +106,7 @@ def _build_after(token, md, self, common_prefix_len, common_attn_metadata, *a, l
             "isa": getattr(self, "isa", None),
             "num_reqs": num_reqs,
             "seq_lens": _np(md.seq_lens)[:num_reqs].tolist(),
-            "query_lens": np.diff(qsl).tolist(),
+            "query_lens": (qsl[1:] - qsl[:-1]).tolist(),
             **_block_rows(_np(md.block_table)[:num_reqs]),
             "layers": _layers(self),
         },

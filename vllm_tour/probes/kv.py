@@ -102,24 +102,22 @@ def kv_record(scheduler, step: int, admitted: dict[str, int]) -> dict:
     # the previous record's length and last block is unchanged: its copy is reused.
     append_only = type(manager).__name__ == "FullAttentionManager"
     prev = R.kv_prev_tables
-    tables: dict[str, list[int]] = {}
+    live = [(uid, blocks) for uid, blocks in zip(map(user_req_id, manager.req_to_blocks), manager.req_to_blocks.values()) if blocks]
+    if append_only:  # the common decode step changes few tables: one comprehension over the batch finds them
+        same = [(old := prev.get(uid)) is not None and len(blocks) == len(old) and blocks[-1].block_id == old[-1]
+                for uid, blocks in live]
+        tables = {uid: prev[uid] for (uid, _), unchanged in zip(live, same) if unchanged}
+        live = [item for item, unchanged in zip(live, same) if not unchanged]
+    else:
+        tables = {}
     changed: dict[str, list[int]] = {}
     allocated = {}
-    for rid, blocks in list(manager.req_to_blocks.items()):
-        if not blocks:
-            continue
-        uid = user_req_id(rid)
+    for uid, blocks in live:
         old = prev.get(uid)
-        if old is not None and len(blocks) == len(old) and blocks[-1].block_id == old[-1]:
-            # the common decode step: nothing changed
-            if append_only:
-                tables[uid] = old
-                continue
-            ids = tables[uid] = [b.block_id for b in blocks]
-            if ids != old:
-                changed[uid] = ids
+        ids = tables[uid] = [b.block_id for b in blocks]
+        if ids == old:
             continue
-        ids = tables[uid] = changed[uid] = [b.block_id for b in blocks]
+        changed[uid] = ids
         if old is None:  # new, or resumed after preemption: all but the reused blocks are new
             hit = admitted.get(uid, 0)
             reused = ids[: -(-hit // scheduler.block_size)] if hit else ()

@@ -65,6 +65,7 @@ class Recorder:
         self.fault: str | None = None
         self._file = None
         self._pending: list[bytes] = []  # encoded lines of this step not yet written (see write)
+        self._procs: dict[tuple, dict] = {}
         self.reset_counters()
 
     def reset_counters(self) -> None:
@@ -117,7 +118,12 @@ class Recorder:
         return Proc(role=role, pid=os.getpid(), rank=self.rank if role == "worker" else 0)
 
     def proc_dict(self, role: str) -> dict:
-        return {"role": role, "pid": os.getpid(), "rank": self.rank if role == "worker" else 0}
+        """A schema.Proc as a dict (hot paths): one per (role, pid, rank), encoded, never mutated."""
+        key = (role, os.getpid(), self.rank if role == "worker" else 0)
+        proc = self._procs.get(key)
+        if proc is None:
+            proc = self._procs[key] = dict(zip(("role", "pid", "rank"), key))
+        return proc
 
     def write(self, record, flush: bool = True) -> None:
         """Append one record: a schema model, or (on hot paths) a plain dict with the same fields.
