@@ -90,7 +90,8 @@ def _build_after(token, md, self, common_prefix_len, common_attn_metadata, *a, l
     num_reqs = common_attn_metadata.num_reqs
     n = md.num_actual_tokens
     # CPU backend: the tensors live in host memory; numpy views slice far cheaper than torch.
-    qsl = _np(md.query_start_loc)[: num_reqs + 1]
+    # The query offsets' host copy (both pins keep one) spares a CUDA run a device-to-host sync.
+    qsl = _np(common_attn_metadata.query_start_loc_cpu)[: num_reqs + 1]
     slots = _np(md.slot_mapping)[:n]
     if R.runner_pending is not None:
         R.runner_pending["slot_mapping"] = int_list(slots)
