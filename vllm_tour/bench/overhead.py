@@ -18,8 +18,8 @@ Four figures, because the machines this runs on are shared:
           when other processes compete for the 2 cores);
   pairs — the same per A B B A block of four adjacent rounds (a slow drift of
           the machine's load cancels within a block): median and spread;
-  cpu   — mean step CPU time of this process, traced / untraced (barely moved
-          by other processes);
+  cpu   — mean step CPU time of this process, traced / untraced (less moved by
+          other processes, but not immune: its compute threads spin while they wait);
   hooks — CPU time spent inside the probe hooks per step, as a share of the
           untraced step's CPU time (the probes' own cost, measured directly).
 --json writes the figures with the machine (CPU model, AMX, GPU), the shapes,
