@@ -103,7 +103,7 @@ def resolve(probe: Probe, pin: str) -> Resolved:
 
 def make_wrapper(r: Resolved, recorder) -> Callable:
     probe, original = r.probe, r.original
-    # Bound once: some targets (KVCacheManager.allocate_slots) run for every request every step.
+    # Bound once: some targets (RowParallelLinear.forward at TP > 1) run for every layer every step.
     name, before, after, capture_only = probe.name, probe.before, probe.after, probe.capture_only
 
     @functools.wraps(original)
