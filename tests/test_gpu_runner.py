@@ -71,7 +71,7 @@ def test_logprobs_rule_vllm_style():
 def test_plan_names_every_step_and_scenario():
     a = runner.build_parser().parse_args(["all", "--out", "/tmp/x"])
     cmds = runner.step_commands(a)
-    assert set(cmds) == set(runner.STEPS) - {"pack"}
+    assert set(cmds) == set(runner.STEPS + runner.OPTIONAL_STEPS) - {"pack"}
     assert cmds["doctor"][-2:] == ["--pin", "v0.21.0"]
     trace = " ".join(cmds["trace"])
     assert all(s in trace for s in runner.TRACE_SCENARIOS + runner.COMPARE_SCENARIOS)

@@ -26,7 +26,7 @@ def tree_v0210():
 def test_every_v0210_target_resolves_in_its_sources(tree_v0210):
     assert check_static("v0.21.0", tree_v0210) == []
     names = {p.name for p in inst.probes_for("v0.21.0")}
-    assert names >= {"scheduler.schedule", "scheduler.preempt", "kv.allocate_slots", "kv.free", "kv.evict",
+    assert names >= {"scheduler.schedule", "scheduler.preempt", "kv.free", "kv.evict",
                      "runner.execute_model", "runner.prepare_inputs", "runner.sample_tokens", "attention.build",
                      "capture.attention_forward"}
     for backend in ("TRITON_ATTN", "FLASH_ATTN"):

@@ -81,10 +81,10 @@ def test_tp2_records_both_ranks(trace_runs):
 
 
 def test_a_probe_that_raises_changes_nothing_and_is_recorded(trace_runs):
-    faulty = trace_runs.get("single", fault="kv.allocate_slots")
+    faulty = trace_runs.get("single", fault="attention.build")
     assert tokens(faulty) == tokens(trace_runs.get("single", probes=False))
     run = load_run(faulty)
-    assert run.errors and all(e.probe == "kv.allocate_slots" for e in run.errors)
+    assert run.errors and all(e.probe == "attention.build" for e in run.errors)
     assert "forced fault" in run.errors[0].error and run.errors[0].step == 1
     assert run.steps[0].scheduler is not None  # the other probes kept recording
     # the GPU runner's trace step fails such a run, naming the probe (it once reported "ok" over 28 errors)
@@ -92,7 +92,7 @@ def test_a_probe_that_raises_changes_nothing_and_is_recorded(trace_runs):
 
     summary = probe_errors(faulty)
     assert summary["status"] == "probe_errors" and summary["probe_errors"] == len(run.errors)
-    assert summary["first_probe_error"].startswith("kv.allocate_slots: RuntimeError: forced fault")
+    assert summary["first_probe_error"].startswith("attention.build: RuntimeError: forced fault")
     assert probe_errors(trace_runs.get("single")) == {}
 
 

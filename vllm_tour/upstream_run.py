@@ -246,7 +246,7 @@ def run_upstream(
     from .models import TINY_MODELS, model_digest, resolve_model, tiny_model_dir, weights_kind, weights_note
     from .pins import active_pin_tag
     from .probes import cpu_isa
-    from .probes.install import BACKEND_ENV, PIN_ENV, check_probes, install_all
+    from .probes.install import BACKEND_ENV, PIN_ENV, TP_ENV, check_probes, install_all
 
     tag = scenario.pin or active_pin_tag()
     check_pin(tag)
@@ -275,7 +275,8 @@ def run_upstream(
         old.unlink()
     shutil.rmtree(run_dir / "captures", ignore_errors=True)  # a rerun into the same dir starts clean
 
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0", PIN_ENV: tag}
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0", PIN_ENV: tag,
+           TP_ENV: str(scenario.engine.tensor_parallel_size)}
     if scenario.engine.attention_backend:  # else every process takes the pin's default
         env[BACKEND_ENV] = scenario.engine.attention_backend
     if scenario.engine.cpu_attention_isa:

@@ -1,31 +1,45 @@
-"""Probe overhead: the same 64-request workload untraced vs traced, A/B interleaved in one process.
+"""Probe overhead: the same workload untraced vs traced, A/B interleaved in one process.
 
-    python -m vllm_tour.bench.overhead [--rounds 10] [--requests 64] [--max-tokens 32]
+    python -m vllm_tour.bench.overhead [--rounds 10] [--requests 64] [--max-tokens 32] [--json PATH]
+    python -m vllm_tour.bench.overhead --gpu --backend FLASH_ATTN|TRITON_ATTN [--eager] [--rounds 3] [--json PATH]
 
-One in-process engine (tiny-qwen3, prefix caching off so every round does the
-same work). Rounds alternate A B B A ...: A runs with the probes uninstalled
-(pristine upstream callables), B with them installed and recording at the
-metadata level (scheduler, KV, runner and attention records; no tensors).
+CPU (default): one in-process engine, tiny-qwen3 in fp32, 64 requests x 32
+tokens, prefix caching off so every round does the same work.
+--gpu: upstream's CUDA engine (the GPU machine's v0.21.0) on the race's recipe
+(vllm_tour/bench/race_recipe.py: Qwen3-0.6B shapes with dummy weights, bf16,
+max_model_len 4096, 256 sequences; --num-seqs fewer), CUDA graphs + torch.compile
+unless --eager, the attention backend given by --backend.
+Rounds alternate A B B A ...: A runs with the probes uninstalled (pristine
+upstream callables), B with them installed and recording at the metadata level
+(scheduler, KV, runner and attention records; no tensors; no TP probes at TP=1).
 
-Three figures, because the machines this runs on are shared:
+Four figures, because the machines this runs on are shared:
   wall  — mean step wall time, traced / untraced (what a user feels; noisy
           when other processes compete for the 2 cores);
-  cpu   — mean step CPU time of this process, traced / untraced (barely moved
-          by other processes);
+  pairs — the same per A B B A block of four adjacent rounds (a slow drift of
+          the machine's load cancels within a block): median and spread;
+  cpu   — mean step CPU time of this process, traced / untraced (less moved by
+          other processes, but not immune: its compute threads spin while they wait);
   hooks — CPU time spent inside the probe hooks per step, as a share of the
           untraced step's CPU time (the probes' own cost, measured directly).
+--json writes the figures with the machine (CPU model, AMX, GPU), the shapes,
+the vLLM version and the date (checked in under traces/bench-results/).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
+import json
 import os
 import platform
 import random
 import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
@@ -41,16 +55,28 @@ def cpu_name() -> str:
     return platform.processor() or "unknown"
 
 
+def cpu_flags() -> set[str]:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
 def workload(n: int, max_tokens: int, seed: int = 0):
     """n requests with random token-id prompts of 16-128 tokens (same every call)."""
     rng = random.Random(seed)
     return [([rng.randrange(5, 500) for _ in range(rng.randrange(16, 129))], max_tokens) for _ in range(n)]
 
 
-def run_round(engine, reqs, SamplingParams, tag: str) -> tuple[list[float], list[float]]:
+def run_round(engine, reqs, SamplingParams, tag: str, temperature: float = 0.0) -> tuple[list[float], list[float]]:
     """Run the workload to completion; (wall seconds, process CPU seconds) per step."""
+    detokenize = not engine.vllm_config.model_config.skip_tokenizer_init  # the GPU recipe has no tokenizer
     for i, (ids, mt) in enumerate(reqs):
-        engine.add_request(f"{tag}-{i}", {"prompt_token_ids": ids}, SamplingParams(max_tokens=mt, temperature=0.0, ignore_eos=True))
+        params = SamplingParams(max_tokens=mt, temperature=temperature, ignore_eos=True, detokenize=detokenize)
+        engine.add_request(f"{tag}-{i}", {"prompt_token_ids": ids}, params)
     wall, cpu = [], []
     while engine.has_unfinished_requests():
         t0, c0 = time.perf_counter(), time.process_time()
@@ -85,33 +111,77 @@ def timed_probes(resolved, hook_s: dict[str, float]):
     return out
 
 
+def cpu_engine_args(EngineArgs, args):
+    from ..models import resolve_model
+
+    shapes = "tiny-qwen3 (fp32, 2 layers, hidden 256, 4 q / 2 kv heads), enforce_eager, prefix caching off"
+    return EngineArgs(model=str(resolve_model("tiny-qwen3")), dtype="float32", block_size=32, kv_cache_memory_bytes=64 << 20,
+                      max_model_len=1024, enforce_eager=True, enable_prefix_caching=False, disable_log_stats=True,
+                      use_tqdm_on_load=False, seed=0), shapes, workload(args.requests, args.max_tokens), 0.0
+
+
+def gpu_engine_args(EngineArgs, args):
+    """The race's upstream side (race_upstream.py), with the backend asked for."""
+    import shutil
+
+    from .race_recipe import CONFIG, MAX_MODEL_LEN, TEMPERATURE, recipe
+
+    model_dir = Path(tempfile.gettempdir()) / "vllm-tour-q06"
+    model_dir.mkdir(exist_ok=True)
+    shutil.copy(CONFIG, model_dir / "config.json")
+    prompts, max_tokens = recipe(args.num_seqs)
+    shapes = (f"Qwen3-0.6B shapes ({CONFIG.name}), dummy weights, bf16, {args.backend}, "
+              + ("enforce_eager" if args.eager else "CUDA graphs + torch.compile") + f", max_model_len {MAX_MODEL_LEN}")
+    engine_args = EngineArgs(model=str(model_dir), load_format="dummy", dtype="bfloat16", enforce_eager=args.eager,
+                             max_model_len=MAX_MODEL_LEN, skip_tokenizer_init=True, gpu_memory_utilization=0.8,
+                             attention_config={"backend": args.backend}, disable_log_stats=True, seed=0)
+    return engine_args, shapes, list(zip(prompts, max_tokens)), TEMPERATURE
+
+
+def hardware() -> dict:
+    hw = {"cpu": cpu_name(), "amx": "amx_bf16" in cpu_flags(), "cores": os.cpu_count(), "system": f"{platform.system()} {platform.machine()}"}
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            hw["gpu"] = torch.cuda.get_device_name(0)
+    except Exception:  # noqa: BLE001 - no torch CUDA: a CPU machine
+        pass
+    return hw
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=10, help="rounds per side (default 10)")
-    ap.add_argument("--requests", type=int, default=64)
-    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=None, help="rounds per side (default 10; 3 with --gpu)")
+    ap.add_argument("--requests", type=int, default=64, help="CPU: requests per round")
+    ap.add_argument("--max-tokens", type=int, default=32, help="CPU: tokens per request")
+    ap.add_argument("--gpu", action="store_true", help="upstream's CUDA engine on the race recipe (Qwen3-0.6B shapes)")
+    ap.add_argument("--backend", choices=("TRITON_ATTN", "FLASH_ATTN"), default="FLASH_ATTN", help="--gpu: the attention backend")
+    ap.add_argument("--eager", action="store_true", help="--gpu: enforce_eager (no CUDA graphs, no torch.compile)")
+    ap.add_argument("--num-seqs", type=int, default=256, help="--gpu: sequences of the race recipe per round")
+    ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = ap.parse_args()
+    rounds = args.rounds or (3 if args.gpu else 10)
 
     from vllm import EngineArgs, SamplingParams
     from vllm.v1.engine.llm_engine import LLMEngine
 
-    from ..models import resolve_model
     from ..pins import active_pin_tag
     from ..probes.base import install, uninstall
-    from ..probes.install import check_probes
+    from ..probes.install import PIN_ENV, check_probes
     from ..trace.writer import RECORDER
 
     tag = active_pin_tag()
-    resolved = [r for r in check_probes(tag) if not r.probe.capture_only]
+    os.environ[PIN_ENV] = tag  # the probes look up per-pin facts (e.g. the CUDA backends' KV layouts) by it
+    backend = args.backend if args.gpu else None
+    resolved = [r for r in check_probes(tag, backend=backend, tp_size=1) if not r.probe.capture_only]
     hook_s: dict[str, float] = {}
     timed = timed_probes(resolved, hook_s)  # for the breakdown round only: timing costs too
-    engine = LLMEngine.from_engine_args(
-        EngineArgs(model=str(resolve_model("tiny-qwen3")), dtype="float32", block_size=32, kv_cache_memory_bytes=64 << 20,
-                   max_model_len=1024, enforce_eager=True, enable_prefix_caching=False, disable_log_stats=True, use_tqdm_on_load=False, seed=0)
-    )
-    reqs = workload(args.requests, args.max_tokens)
-    run_round(engine, reqs, SamplingParams, "warmup")
-    order = (["A", "B", "B", "A"] * args.rounds)[: 2 * args.rounds]
+    engine_args, shapes, reqs, temperature = (gpu_engine_args if args.gpu else cpu_engine_args)(EngineArgs, args)
+    engine = LLMEngine.from_engine_args(engine_args)
+    run_round(engine, reqs, SamplingParams, "warmup", temperature)
+    order = (["A", "B", "B", "A"] * rounds)[: 2 * rounds]
+    rounds_wall: list[float] = []  # in run order
     wall: dict[str, list[float]] = {"A": [], "B": []}
     cpu: dict[str, list[float]] = {"A": [], "B": []}
     traced_steps = steps = 0
@@ -120,39 +190,70 @@ def main() -> None:
             if side == "B":
                 install(resolved, RECORDER)
                 RECORDER.activate(tmp, "", "")
-            w, c = run_round(engine, reqs, SamplingParams, f"{side}{k}")
+            w, c = run_round(engine, reqs, SamplingParams, f"{side}{k}", temperature)
             if side == "B":
                 RECORDER.deactivate()
                 uninstall(resolved)
             wall[side].append(statistics.mean(w))
+            rounds_wall.append(wall[side][-1])
             cpu[side].append(statistics.mean(c))
             steps = len(w)
         trace_bytes = sum(os.path.getsize(os.path.join(tmp, f)) for f in os.listdir(tmp))
-        for k in range(2):  # the breakdown: probes with timed hooks
+        for k in range(1 if args.gpu else 2):  # the breakdown: probes with timed hooks
             install(timed, RECORDER)
             RECORDER.activate(tmp, "", "")
-            w, _ = run_round(engine, reqs, SamplingParams, f"T{k}")
+            w, _ = run_round(engine, reqs, SamplingParams, f"T{k}", temperature)
             RECORDER.deactivate()
             uninstall(timed)
             traced_steps += len(w)
 
+    import vllm
+
     med = {s: statistics.median(v) for s, v in wall.items()}
     cmed = {s: statistics.median(v) for s, v in cpu.items()}
-    hooks = sum(hook_s.values()) / traced_steps
-    print(f"hardware: {cpu_name()}, {os.cpu_count()} cores, {platform.system()} {platform.machine()}, load average {os.getloadavg()[0]:.1f}")
-    print(f"engine:   vLLM pin {tag}, tiny-qwen3 (fp32, 2 layers, hidden 256, 4 q / 2 kv heads), in-process, enforce_eager, prefix caching off")
-    print(f"workload: {args.requests} requests, prompts 16-128 tokens, {args.max_tokens} tokens each (ignore_eos), {steps} steps per round")
-    print(f"rounds:   {args.rounds} per side, interleaved A B B A; {trace_bytes // 1024} KiB of records written by the traced rounds")
-    print(f"wall:     untraced {med['A'] * 1e3:.2f} ms/step, traced {med['B'] * 1e3:.2f} ms/step (medians over rounds) -> ratio {med['B'] / med['A']:.3f}")
-    print(f"cpu:      untraced {cmed['A'] * 1e3:.2f} ms/step, traced {cmed['B'] * 1e3:.2f} ms/step (medians over rounds) -> ratio {cmed['B'] / cmed['A']:.3f}")
     mn = {s: min(v) for s, v in wall.items()}
     cmn = {s: min(v) for s, v in cpu.items()}
+    hooks = sum(hook_s.values()) / traced_steps
+    blocks = [rounds_wall[i : i + 4] for i in range(0, len(rounds_wall) - 3, 4)]  # A B B A
+    pairs = sorted((b[1] + b[2]) / (b[0] + b[3]) for b in blocks)
+    top = sorted(hook_s.items(), key=lambda kv: -kv[1])[:4]
+    hw = hardware()
+    goal = 1.02 if args.gpu else 1.03
+    load = os.getloadavg()[0]
+    work = (f"{len(reqs)} sequences of the race recipe ({sum(m for _, m in reqs)} output tokens)" if args.gpu
+            else f"{args.requests} requests, prompts 16-128 tokens, {args.max_tokens} tokens each (ignore_eos)")
+    print(f"hardware: {hw['cpu']}{' (AMX)' if hw['amx'] else ''}, {hw['cores']} cores{', ' + hw['gpu'] if 'gpu' in hw else ''}, "
+          f"{hw['system']}, load average {load:.1f}")
+    print(f"engine:   vLLM {vllm.__version__} (pin {tag}), {shapes}, in-process")
+    print(f"workload: {work}, {steps} steps per round")
+    print(f"rounds:   {rounds} per side, interleaved A B B A; {trace_bytes // 1024} KiB of records written by the traced rounds")
+    print(f"wall:     untraced {med['A'] * 1e3:.2f} ms/step, traced {med['B'] * 1e3:.2f} ms/step (medians over rounds) -> ratio {med['B'] / med['A']:.3f}")
+    print(f"cpu:      untraced {cmed['A'] * 1e3:.2f} ms/step, traced {cmed['B'] * 1e3:.2f} ms/step (medians over rounds) -> ratio {cmed['B'] / cmed['A']:.3f}")
+    if pairs:
+        print(f"pairs:    wall ratio per A B B A block: median {statistics.median(pairs):.3f}, "
+              f"spread {pairs[0]:.3f}..{pairs[-1]:.3f} over {len(pairs)} blocks")
     print(f"minimum:  wall untraced {mn['A'] * 1e3:.2f} / traced {mn['B'] * 1e3:.2f} ms/step -> ratio {mn['B'] / mn['A']:.3f}; "
           f"cpu {cmn['A'] * 1e3:.2f} / {cmn['B'] * 1e3:.2f} -> ratio {cmn['B'] / cmn['A']:.3f} (fastest round per side)")
-    print(f"hooks:    {hooks * 1e6:.0f} us CPU per step inside probe hooks (2 extra timed rounds) = {hooks / cmed['A']:.1%} of the untraced step's CPU time")
-    top = sorted(hook_s.items(), key=lambda kv: -kv[1])[:4]
+    print(f"hooks:    {hooks * 1e6:.0f} us CPU per step inside probe hooks (extra timed rounds) = {hooks / cmed['A']:.1%} of the untraced step's CPU time")
     print("          costliest: " + ", ".join(f"{k} {v / traced_steps * 1e6:.0f} us" for k, v in top))
-    print(f"overhead (step-time ratio, wall): {med['B'] / med['A']:.3f}   goal <= 1.03")
+    print(f"overhead (step-time ratio, wall): {med['B'] / med['A']:.3f}   goal <= {goal}")
+    if args.json:
+        result = {
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": "python -m vllm_tour.bench.overhead " + " ".join(sys.argv[1:]),
+            "hardware": {**hw, "load_average": round(load, 2)},
+            "vllm_version": vllm.__version__, "pin": tag, "engine": shapes, "workload": work, "steps_per_round": steps,
+            "rounds_per_side": rounds, "trace_bytes": trace_bytes, "goal": goal,
+            "ratio": {"wall": round(med["B"] / med["A"], 4), "cpu": round(cmed["B"] / cmed["A"], 4),
+                      "wall_min": round(mn["B"] / mn["A"], 4), "cpu_min": round(cmn["B"] / cmn["A"], 4),
+                      "wall_blocks": [round(x, 4) for x in pairs]},
+            "ms_per_step": {"wall": {s: [round(x * 1e3, 3) for x in v] for s, v in wall.items()},
+                            "cpu": {s: [round(x * 1e3, 3) for x in v] for s, v in cpu.items()}},
+            "hooks_us_per_step": round(hooks * 1e6, 1),
+            "hooks_us_per_step_by_probe": {k: round(v / traced_steps * 1e6, 1) for k, v in sorted(hook_s.items(), key=lambda kv: -kv[1])},
+        }
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":

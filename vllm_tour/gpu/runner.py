@@ -19,6 +19,8 @@ deadline, so a hang costs that step only; results go under OUT):
   race     vllm_tour/bench/race_gpu.py: the mini engine against upstream
            FLASH_ATTN and TRITON_ATTN, graphs and eager (six sides, ~6 min;
            the step's limit goes to the race as its --deadline-s)            race.json
+  overhead (only when asked: --steps overhead) the probe-overhead bench,
+           vllm_tour/bench/overhead.py --gpu, once per --overhead-backends   overhead-<backend>.json/.log
   repro    the repro library's files that speak about this pin, each run
            with its expectations checked; run dirs + repro.json         traces/repro-<name>/, repro.json
   pack     traces.tar.gz (the trace runs, small), summary.json
@@ -76,8 +78,10 @@ COMPARE_SCENARIOS = ("cmp_single", "cmp_chunked", "cmp_preempt", "cmp_shared_pre
 # machine; reimpl.ep judges MoE records, which the probes write on the CPU pin only
 MODULES = tuple(name for name, m in COMPARE_MODULES.items() if m.world_size == 1 and not m.moe_only)
 STEPS = ("doctor", "race", "trace", "compare", "tokens", "repro", "pack")  # the race first: the one figure that needs minutes
+OPTIONAL_STEPS = ("overhead",)  # known steps that run only when --steps names them
 # Seconds each step is given at most (the overall deadline may give less).
-STEP_LIMITS = {"doctor": 60, "trace": 240, "compare": 150, "tokens": 150, "repro": 150, "race": 480, "pack": 30}
+STEP_LIMITS = {"doctor": 60, "trace": 240, "compare": 150, "tokens": 150, "repro": 150, "race": 480, "pack": 30,
+               "overhead": 500}
 RACE_MARGIN_S = 15  # the race's own deadline ends this much before its step's limit: race.json is written by then
 RESERVE_S = 25  # kept back for packing whatever exists
 ARCHIVE_MAX_BYTES = 15 << 20  # one file back is at most 16 MiB
@@ -467,6 +471,29 @@ def cmd_repro(a) -> int:
     return 0 if rows and all(r.get("as_declared") for r in rows) else 1
 
 
+def cmd_overhead(a) -> int:
+    """The probe-overhead bench on upstream's CUDA engine, once per backend, each in its own process
+    (an engine holds most of the GPU's memory): OUT/overhead-<backend>.json and .log."""
+    backends = [b for b in a.backends.split(",") if b]
+    deadline = time.time() + a.limit_s
+    rc = 0
+    for i, backend in enumerate(backends):
+        out = Path(a.out) / f"overhead-{backend}"
+        cmd = [sys.executable, "-m", "vllm_tour.bench.overhead", "--gpu", "--backend", backend, "--json", f"{out}.json"]
+        limit = (deadline - time.time()) / (len(backends) - i)
+        print(f"[overhead] {backend} (limit {limit:.0f} s): {' '.join(cmd)}", flush=True)
+        try:
+            with open(f"{out}.log", "w") as f:
+                p = subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, timeout=limit)
+            status = "ok" if p.returncode == 0 else f"exit {p.returncode}"
+        except subprocess.TimeoutExpired:
+            status = "timeout"
+        rc = rc or int(status != "ok")
+        tail = Path(f"{out}.log").read_text(errors="replace").splitlines()[-11:]
+        print("\n".join(tail), f"\n[overhead] {backend}: {status}", flush=True)
+    return rc
+
+
 # --- the orchestrator --------------------------------------------------------------------------
 
 
@@ -483,6 +510,8 @@ def step_commands(a) -> dict[str, list[str]]:
         "tokens": [py, "-m", me, "tokens", *common, "--scenarios", ",".join(a.compare_scenarios), "--pin", a.pin],
         "repro": [py, "-m", me, "repro", "--out", str(a.out)],
         "race": [py, "-m", "vllm_tour.bench.race_gpu", "--json", str(Path(a.out) / "race.json"), "--sides", a.race_sides],
+        "overhead": [py, "-m", me, "overhead", "--out", str(a.out), "--backends", a.overhead_backends,
+                     "--limit-s", str(step_timeout("overhead", time.time(), a.deadline_s, limits=a.step_limits) - 10)],
     }
 
 
@@ -552,6 +581,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compare-scenarios", type=lambda s: [x for x in s.split(",") if x], default=list(COMPARE_SCENARIOS))
     p.add_argument("--modules", type=lambda s: [x for x in s.split(",") if x], default=list(MODULES))
     p.add_argument("--race-sides", default=",".join(RACE_SIDES), help=f"known: {', '.join(RACE_SIDES)}")
+    p.add_argument("--overhead-backends", default="FLASH_ATTN,TRITON_ATTN", help="the overhead step: one bench run per backend")
     p.add_argument("--deadline-s", type=float, default=540.0, help="everything, packing included, ends by then")
     p.add_argument("--step-limits", default="", help="seconds per step instead of STEP_LIMITS', e.g. trace=400,compare=200")
     p.add_argument("--triton-f32", choices=("ieee", "tf32", "tf32x3"), default=None,
@@ -568,6 +598,10 @@ def build_parser() -> argparse.ArgumentParser:
     common(sub.add_parser("repro", help="the repro library's files for this pin, run here"))
     p = sub.add_parser("carry-models", help="on CPU: build the dummy-weight models (Qwen3-0.6B) into OUT for the GPU machine")
     p.add_argument("--out", default=str(CARRIED_CACHE))
+    p = sub.add_parser("overhead", help="the probe-overhead bench (--gpu), once per backend")
+    p.add_argument("--out", default=os.environ.get("OUT", "traces/runs/gpu"))
+    p.add_argument("--backends", default="FLASH_ATTN,TRITON_ATTN")
+    p.add_argument("--limit-s", type=float, default=STEP_LIMITS["overhead"], help="for all backends together")
     p = sub.add_parser("archive", help="fold OUT into one results.tar.gz under 16 MiB (captures left out)")
     p.add_argument("--out", default=os.environ.get("OUT", "traces/runs/gpu"))
     return ap
@@ -578,9 +612,9 @@ def main(argv=None) -> int:
     if getattr(a, "attention_backend", None) == "":
         a.attention_backend = None
     if a.cmd == "all":
-        unknown = [s for s in a.steps if s not in STEPS]
+        unknown = [s for s in a.steps if s not in STEPS + OPTIONAL_STEPS]
         if unknown:
-            raise SystemExit(f"unknown step(s) {unknown}; known: {', '.join(STEPS)}")
+            raise SystemExit(f"unknown step(s) {unknown}; known: {', '.join(STEPS + OPTIONAL_STEPS)}")
         a.step_limits = parse_limits(a.step_limits)
         if "race" in a.steps:
             try:
@@ -593,7 +627,7 @@ def main(argv=None) -> int:
         print(json.dumps(archive(Path(a.out))), flush=True)
         return 0
     return {"all": cmd_all, "trace": cmd_trace, "compare": cmd_compare, "tokens": cmd_tokens, "repro": cmd_repro,
-            "carry-models": cmd_carry_models}[a.cmd](a)
+            "carry-models": cmd_carry_models, "overhead": cmd_overhead}[a.cmd](a)
 
 
 if __name__ == "__main__":

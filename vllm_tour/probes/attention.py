@@ -47,27 +47,22 @@ def _trim_rows(table: np.ndarray) -> list[list[int]]:
     return list(map(operator.getitem, rows, map(slice, widths.tolist())))  # row[:w], without a Python loop
 
 
-def _block_rows(table: np.ndarray) -> list[list[int]]:
-    """_trim_rows(table), converting only the rows that changed since the previous step.
+def _block_rows(table: np.ndarray) -> dict:
+    """The block-table fields of this step's attention record: the rows that differ
+    from the previous record's (see schema.AttentionRecord.block_table_since).
 
     In decode steps a few rows change per step (a request crossing a block
-    boundary); the others reuse the previous step's lists (never mutated: the
-    records that hold them are encoded at once). The table is a view of the
+    boundary, a finished request's row refilled). The table is a view of the
     engine's buffer, so the comparison base is a copy.
     """
-    prev = R.attn_prev_table
-    if prev is not None and prev[0].shape == table.shape:
-        changed = np.flatnonzero((table != prev[0]).any(axis=1))
-        if len(changed) <= 8:
-            rows = list(prev[1])
-            for i in changed.tolist():
-                nz = np.flatnonzero(table[i])
-                rows[i] = table[i, : nz[-1] + 1].tolist() if nz.size else []
-            R.attn_prev_table = (table.copy(), rows)
-            return rows
-    rows = _trim_rows(table)
-    R.attn_prev_table = (table.copy(), rows)
-    return rows
+    prev, R.attn_prev_table = R.attn_prev_table, (R.worker_step, table.copy())
+    if prev is None or prev[1].shape[1:] != table.shape[1:]:
+        return {"block_table": _trim_rows(table), "block_table_since": None, "block_table_rows": None}
+    old = prev[1]
+    n = min(len(old), len(table))
+    rows = np.flatnonzero((table[:n] != old[:n]).any(axis=1)).tolist()
+    rows.extend(range(n, len(table)))
+    return {"block_table": _trim_rows(table[rows]) if rows else [], "block_table_since": prev[0], "block_table_rows": rows}
 
 
 def _layers(builder) -> list[dict]:
@@ -95,7 +90,8 @@ def _build_after(token, md, self, common_prefix_len, common_attn_metadata, *a, l
     num_reqs = common_attn_metadata.num_reqs
     n = md.num_actual_tokens
     # CPU backend: the tensors live in host memory; numpy views slice far cheaper than torch.
-    qsl = _np(md.query_start_loc)[: num_reqs + 1]
+    # The query offsets' host copy (both pins keep one) spares a CUDA run a device-to-host sync.
+    qsl = _np(common_attn_metadata.query_start_loc_cpu)[: num_reqs + 1]
     slots = _np(md.slot_mapping)[:n]
     if R.runner_pending is not None:
         R.runner_pending["slot_mapping"] = int_list(slots)
@@ -111,8 +107,8 @@ def _build_after(token, md, self, common_prefix_len, common_attn_metadata, *a, l
             "isa": getattr(self, "isa", None),
             "num_reqs": num_reqs,
             "seq_lens": _np(md.seq_lens)[:num_reqs].tolist(),
-            "query_lens": np.diff(qsl).tolist(),
-            "block_table": _block_rows(_np(md.block_table)[:num_reqs]),
+            "query_lens": (qsl[1:] - qsl[:-1]).tolist(),
+            **_block_rows(_np(md.block_table)[:num_reqs]),
             "layers": _layers(self),
             "num_layers": len(self.layer_names),
             "num_kv_heads": getattr(getattr(self, "kv_cache_spec", None), "num_kv_heads", None),

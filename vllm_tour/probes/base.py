@@ -46,6 +46,9 @@ class Probe:
     # The platform plugin whose classes it targets ("maca": vllm-metax registers its own backend classes under
     # upstream's names); None: upstream's own (the CPU and CUDA platforms).
     platform: str | None = None
+    # Records only what crosses tensor-parallel ranks: left out of a run known to be TP=1, where it
+    # would cost a wrapper call per layer per step and record nothing.
+    multi_rank: bool = False
 
 
 @dataclass
@@ -133,7 +136,7 @@ _UNREPORTED: list[Resolved] = []  # replaced before install, recorded at the fir
 
 def make_wrapper(r: Resolved, recorder) -> Callable:
     probe, original = r.probe, r.original
-    # Bound once: some targets (KVCacheManager.allocate_slots) run for every request every step.
+    # Bound once: some targets (RowParallelLinear.forward at TP > 1) run for every layer every step.
     name, before, after, capture_only = probe.name, probe.before, probe.after, probe.capture_only
     live, unsettled = [True], _UNSETTLED  # live: False once settle() wrapped a replacement of this target
 

@@ -20,6 +20,7 @@ from .base import Probe, Resolved, install, resolve
 PIN_ENV = "VLLM_TOUR_PIN"
 BACKEND_ENV = "VLLM_TOUR_ATTN_BACKEND"  # set by run_upstream: the attention backend the engine runs
 PLATFORM_ENV = "VLLM_TOUR_PLATFORM"  # a platform plugin's name (maca), overriding what is installed
+TP_ENV = "VLLM_TOUR_TP_SIZE"  # set by run_upstream: the run's tensor_parallel_size (unset: not known)
 
 # Order matters only for reading: scheduler side, then worker side.
 PROBES: list[Probe] = [*scheduler.PROBES, *kv.PROBES, *runner.PROBES, *attention.PROBES, *capture.PROBES, *tp.PROBES,
@@ -48,9 +49,14 @@ def current_backend(pin: str) -> str | None:
     return os.environ.get(BACKEND_ENV) or pins.pin_profile(pin).default_attention_backend
 
 
+def current_tp_size() -> int | None:
+    return int(os.environ[TP_ENV]) if os.environ.get(TP_ENV) else None
+
+
 def probes_for(pin: str, backend: str | None = None, probes: list[Probe] | None = None,
-               platform: str | None = None) -> list[Probe]:
-    """The declarations that apply on `pin` with attention backend `backend` (default: the pin's).
+               platform: str | None = None, tp_size: int | None = None) -> list[Probe]:
+    """The declarations that apply on `pin` with attention backend `backend` (default: the pin's),
+    in a run of `tp_size` ranks (None: not known; 1 leaves the multi-rank probes out).
 
     Probes without a backend apply on every pin (resolve() then refuses a pin they
     were not checked against), except `own_pins_only` ones, which apply on their pins only.
@@ -66,7 +72,7 @@ def probes_for(pin: str, backend: str | None = None, probes: list[Probe] | None 
     if backend not in profile.attention_backends:
         raise TourError(f"pin {pin} has probes for the attention backends {', '.join(profile.attention_backends)} "
                         f"(its profile in pins/{pin}.toml), not {backend}")
-    probes = [p for p in probes if not p.own_pins_only or pin in p.pins]
+    probes = [p for p in probes if (not p.own_pins_only or pin in p.pins) and not (p.multi_rank and tp_size == 1)]
     out = [p for p in probes if p.backend is None or (p.backend == backend and pin in p.pins and p.platform == platform)]
     chosen = {p.name for p in out}
     for name in dict.fromkeys(p.name for p in probes if p.backend is not None and p.name not in chosen):
@@ -78,15 +84,15 @@ def probes_for(pin: str, backend: str | None = None, probes: list[Probe] | None 
 
 
 def check_probes(pin: str, probes: list[Probe] | None = None, backend: str | None = None,
-                 platform: str | None = None) -> list[Resolved]:
+                 platform: str | None = None, tp_size: int | None = None) -> list[Resolved]:
     """Resolve and signature-check every probe on `pin`; TourError names the first missing target."""
-    return [resolve(p, pin) for p in probes_for(pin, backend, probes, platform)]
+    return [resolve(p, pin) for p in probes_for(pin, backend, probes, platform, tp_size)]
 
 
 def install_all(pin: str | None = None, probes: list[Probe] | None = None, backend: str | None = None) -> int:
     """Resolve, check and install the probes; switch the recorder on from the environment."""
     pin = pin or current_pin()
-    resolved = check_probes(pin, probes, backend or current_backend(pin), current_platform())
+    resolved = check_probes(pin, probes, backend or current_backend(pin), current_platform(), current_tp_size())
     n = install(resolved, RECORDER)
     RECORDER.activate_from_env()
     return n

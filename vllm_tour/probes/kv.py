@@ -1,10 +1,13 @@
 """Probes on the KV-cache manager and block pool (EngineCore process).
 
-They collect, while `Scheduler.schedule` runs, what happened to blocks: which
-request got which new blocks, which cached blocks a request reused (prefix
-hits), which blocks went back to the free list, which cached blocks lost their
-hash to be reused (evictions), and the last allocation that failed (the reason
-behind a preemption). `scheduler.py` turns that into one `KVRecord` per step.
+They collect, while `Scheduler.schedule` runs, which blocks went back to the
+free list and which cached blocks lost their hash to be reused (evictions).
+`kv_record`, called once the step is scheduled, reads the rest from the state
+the step left: which request got which new blocks, which cached blocks a newly
+admitted request reused (prefix hits). `KVCacheManager.allocate_slots` is not
+wrapped: it runs for every scheduled request every step, and what it decides
+shows in that state (its failures, the reason behind a preemption, are read by
+the preemption probe in `scheduler.py`).
 """
 
 from __future__ import annotations
@@ -24,36 +27,6 @@ def _block_ids(blocks) -> list[int]:
         return []
     groups = blocks.blocks
     return [b.block_id for b in groups[0]] if groups else []
-
-
-def new_step_scratch() -> dict:
-    return {"hits": []}
-
-
-# --- allocate_slots: new blocks, prefix hits, failures ---------------------------------
-
-
-def _alloc_after(token, result, self, request, num_new_tokens, num_new_computed_tokens=0, new_computed_blocks=None, *a, **kw):
-    # This runs for every scheduled request every step, so it does the least it
-    # can: new blocks are found by kv_record() diffing block tables; here only
-    # prefix-cache hits and failures (a failed allocation returns before it
-    # touches the pool, so the free count read now is the one it failed against).
-    if result is None:
-        rid = user_req_id(request.request_id)
-        R.last_alloc_failure = {"req_id": rid, "num_tokens": num_new_tokens, "free_blocks": self.block_pool.get_num_free_blocks()}
-    elif num_new_computed_tokens and R.kv_step is not None:
-        hit = {"req_id": user_req_id(request.request_id), "num_hit_tokens": num_new_computed_tokens, "block_ids": _block_ids(new_computed_blocks)}
-        R.kv_step["hits"].append(hit)  # a schema.PrefixHit
-
-
-allocate_slots = Probe(
-    name="kv.allocate_slots",
-    target=f"{KVM}.allocate_slots",
-    params=("self", "request", "num_new_tokens", "num_new_computed_tokens", "new_computed_blocks"),
-    records="prefix-cache hits (tokens, reused block ids) and failed allocations (the reason behind a preemption)",
-    pins=PINS,
-    after=_alloc_after,
-)
 
 
 # --- free: blocks that really return to the free list ----------------------------------
@@ -98,11 +71,29 @@ evict = Probe(
     after=_evict_after,
 )
 
-PROBES = [allocate_slots, free, evict]
+PROBES = [free, evict]
 
 
-def kv_record(scheduler, step: int, scratch: dict) -> dict:
-    """The KV state after this step's allocation, plus what changed."""
+def prefix_hits(scheduler, tables: dict[str, list[int]], admitted: dict[str, int]) -> list[dict]:
+    """schema.PrefixHit dicts, in admission order, for the requests admitted this step (new or resumed)
+    whose computed tokens at admission (`admitted`: user id -> tokens) came from the prefix cache: the
+    first blocks of their tables, a whole block per block_size hit tokens."""
+    bs = scheduler.block_size
+    hits = []
+    for req in scheduler.running:  # admission order: schedule() appends each request it admits
+        uid = user_req_id(req.request_id)
+        n = admitted.get(uid)
+        if n:
+            hits.append({"req_id": uid, "num_hit_tokens": n, "block_ids": tables[uid][: -(-n // bs)]})
+    return hits
+
+
+def kv_record(scheduler, step: int, admitted: dict[str, int]) -> dict:
+    """The KV state after this step's allocation, plus what changed.
+
+    Block tables are written as a delta against this process's previous KV record
+    (see schema.KVRecord.block_tables_since): a decode step changes the tables of the
+    few requests that crossed a block boundary."""
     kvm = scheduler.kv_cache_manager
     pool = kvm.block_pool
     manager = kvm.coordinator.single_type_managers[0]
@@ -110,22 +101,26 @@ def kv_record(scheduler, step: int, scratch: dict) -> dict:
     # list is dropped, and it is not rescheduled in the same step), so a list with
     # the previous record's length and last block is unchanged: its copy is reused.
     append_only = type(manager).__name__ == "FullAttentionManager"
-    hit_ids = {h["req_id"]: h["block_ids"] for h in scratch["hits"]}
     prev = R.kv_prev_tables
-    tables: dict[str, list[int]] = {}
+    live = [(uid, blocks) for uid, blocks in zip(map(user_req_id, manager.req_to_blocks), manager.req_to_blocks.values()) if blocks]
+    if append_only:  # the common decode step changes few tables: one comprehension over the batch finds them
+        same = [(old := prev.get(uid)) is not None and len(blocks) == len(old) and blocks[-1].block_id == old[-1]
+                for uid, blocks in live]
+        tables = {uid: prev[uid] for (uid, _), unchanged in zip(live, same) if unchanged}
+        live = [item for item, unchanged in zip(live, same) if not unchanged]
+    else:
+        tables = {}
+    changed: dict[str, list[int]] = {}
     allocated = {}
-    for rid, blocks in list(manager.req_to_blocks.items()):
-        if not blocks:
-            continue
-        uid = user_req_id(rid)
+    for uid, blocks in live:
         old = prev.get(uid)
-        if old is not None and len(blocks) == len(old) and blocks[-1].block_id == old[-1]:
-            # the common decode step: nothing changed
-            tables[uid] = old if append_only else [b.block_id for b in blocks]
-            continue
         ids = tables[uid] = [b.block_id for b in blocks]
+        if ids == old:
+            continue
+        changed[uid] = ids
         if old is None:  # new, or resumed after preemption: all but the reused blocks are new
-            reused = hit_ids.get(uid, ())
+            hit = admitted.get(uid, 0)
+            reused = ids[: -(-hit // scheduler.block_size)] if hit else ()
             new = [b for b in ids if b not in reused]
         elif ids[: len(old)] == old:
             new = ids[len(old) :]
@@ -134,6 +129,8 @@ def kv_record(scheduler, step: int, scratch: dict) -> dict:
             new = [b for b in ids if b not in seen]
         if new:
             allocated[uid] = new
+    changed.update((uid, []) for uid in prev.keys() - tables.keys())  # released their blocks
+    since, R.kv_prev_step = R.kv_prev_step, step
     R.kv_prev_tables = tables
     freed, R.kv_pending_freed = R.kv_pending_freed, []
     evicted, R.kv_pending_evicted = R.kv_pending_evicted, []
@@ -145,10 +142,11 @@ def kv_record(scheduler, step: int, scratch: dict) -> dict:
         "block_size": scheduler.block_size,
         "free_blocks": pool.get_num_free_blocks(),
         "usage": round(pool.get_usage(), 6),
-        "block_tables": tables,
+        "block_tables": changed if since is not None else tables,
+        "block_tables_since": since,
         "allocated": allocated,
         "freed": freed,
         "evicted": evicted,
-        "prefix_hits": scratch["hits"],
+        "prefix_hits": prefix_hits(scheduler, tables, admitted) if admitted and kvm.enable_caching else [],
         "prefix_caching": bool(kvm.enable_caching),
     }

@@ -2,16 +2,16 @@
 
 `Scheduler.schedule` is the step: everything between its entry and return is
 that step's decision. `_preempt_request` is wrapped to name each preempted
-request and why (the allocation that failed just before it).
+request and why (the allocation that failed just before it, read from the
+`schedule()` frame that is preempting).
 """
 
 from __future__ import annotations
 
 import operator
+import sys
 import time
 from itertools import repeat
-
-import msgspec
 
 from ..trace.schema import Preemption
 from ..trace.writer import RECORDER as R
@@ -25,25 +25,10 @@ SCHED = "vllm.v1.core.sched.scheduler.Scheduler"
 
 def _schedule_before(self, *a, **kw):
     R.sched_step += 1
-    R.kv_step = kv.new_step_scratch()
     R.preempted = []
-    R.last_alloc_failure = None
     running, waiting = self.get_request_counts()
     running_ids = {r.request_id for r in self.running}
     return time.perf_counter(), running, waiting, running_ids
-
-
-# A msgspec Struct is built and encoded faster than a dict.
-class _Row(msgspec.Struct):
-    """schema.ScheduledRequest, same fields in the same order (encodes to the same JSON object)."""
-
-    req_id: str
-    kind: str
-    num_scheduled_tokens: int
-    num_computed_tokens: int
-    num_prompt_tokens: int
-    num_output_tokens: int
-    is_prefill: bool
 
 
 _prompt_len = operator.attrgetter("num_prompt_tokens")
@@ -51,8 +36,10 @@ _output_len = operator.attrgetter("num_output_tokens")
 _num_tokens = operator.attrgetter("num_tokens")
 
 
-def _scheduled(self, out, running_before: set[str]) -> list:
-    """One schema.ScheduledRequest per scheduled request, new ones first.
+def _scheduled(self, out, running_before: set[str]) -> tuple[dict, dict[str, int]]:
+    """The step's schema.ScheduledRequest rows as columns (new requests first; see
+    schema.SchedulerRecord.scheduled), and user id -> computed tokens of the requests
+    admitted this step (new or resumed: their prefix-cache hits).
 
     Written for speed (it runs for every request every step): column by column
     with C-level map() instead of a Python loop per request; only the requests
@@ -65,8 +52,10 @@ def _scheduled(self, out, running_before: set[str]) -> list:
     reqs = list(map(self.requests.__getitem__, rids))
     prompts = list(map(_prompt_len, reqs))
     # Upstream's own prefill boundary: a resumed request replays its outputs too.
-    prefill = map(operator.lt, computed, map(max, prompts, map(operator.sub, map(_num_tokens, reqs), repeat(1))))
+    prefill = list(map(operator.lt, computed, map(max, prompts, map(operator.sub, map(_num_tokens, reqs), repeat(1)))))
+    uids = list(map(user_req_id, rids))
     kinds = ["running"] * len(rids)
+    admitted = {}
     resumed_ids = getattr(cached, "resumed_req_ids", ())
     if resumed_ids or not running_before.issuperset(rids):
         n_new = len(new_reqs)
@@ -75,15 +64,26 @@ def _scheduled(self, out, running_before: set[str]) -> list:
                 kinds[i] = "resumed"
             elif rid not in running_before:
                 kinds[i] = "new"
+            if kinds[i] != "running":
+                admitted[uids[i]] = computed[i]
     n_sched = out.num_scheduled_tokens
-    return list(map(_Row, map(user_req_id, rids), kinds, map(n_sched.__getitem__, rids), computed, prompts, map(_output_len, reqs), prefill))
+    columns = {
+        "req_id": uids,
+        "kind": kinds,
+        "num_scheduled_tokens": list(map(n_sched.__getitem__, rids)),
+        "num_computed_tokens": computed,
+        "num_prompt_tokens": prompts,
+        "num_output_tokens": list(map(_output_len, reqs)),
+        "is_prefill": prefill,
+    }
+    return columns, admitted
 
 
 def _schedule_after(token, out, self, *a, **kw):
     t0, running_before, waiting_before, running_ids = token
     step = R.sched_step
-    scratch, R.kv_step = R.kv_step, None
     running_after, waiting_after = self.get_request_counts()
+    scheduled, admitted = _scheduled(self, out, running_ids)
     R.write(  # a schema.SchedulerRecord, as a dict (see Recorder.write)
         {
             "step": step,
@@ -98,7 +98,7 @@ def _schedule_after(token, out, self, *a, **kw):
             "token_budget": self.max_num_scheduled_tokens,
             "tokens_scheduled": out.total_num_scheduled_tokens,
             "max_num_seqs": self.max_num_running_reqs,
-            "scheduled": _scheduled(self, out, running_ids),
+            "scheduled": scheduled,
             "preempted": [p.model_dump(mode="json") for p in R.preempted],
             "finished": sorted(user_req_id(r) for r in out.finished_req_ids),
         },
@@ -107,7 +107,7 @@ def _schedule_after(token, out, self, *a, **kw):
     R.preempted = []
     # Flushed now, unless this process also runs the model (in-process engine, or a
     # uniproc executor): then the runner record that ends this step flushes all four.
-    R.write(kv.kv_record(self, step, scratch), flush=R.worker_step == 0)
+    R.write(kv.kv_record(self, step, admitted), flush=R.worker_step == 0)
 
 
 schedule = Probe(
@@ -122,25 +122,44 @@ schedule = Probe(
 )
 
 
+def _failed_allocation(scheduler) -> tuple[str, int] | None:
+    """(user id, tokens asked) of the allocate_slots call that failed just before this preemption.
+
+    Upstream preempts only from the loop over running requests in schedule(), right
+    after `allocate_slots(request, num_new_tokens, ...)` returned None (same names on
+    every pin: a missing one fails this probe, recorded as a probe error). None when
+    no schedule() frame of this scheduler is preempting (e.g. a prefix-cache reset).
+    """
+    frame = sys._getframe(2)
+    while frame is not None and not (frame.f_code.co_name == "schedule" and frame.f_locals.get("self") is scheduler):
+        frame = frame.f_back
+    if frame is None:
+        return None
+    f_locals = frame.f_locals
+    return user_req_id(f_locals["request"].request_id), f_locals["num_new_tokens"]
+
+
 def _preempt_before(self, request, *a, **kw):
     rid = user_req_id(request.request_id)
     held = list(self.kv_cache_manager.get_block_ids(request.request_id)[0])
-    fail = R.last_alloc_failure
+    fail = _failed_allocation(self)
     if fail is None:
         reason = "preempted outside a failed allocation (e.g. a prefix-cache reset)"
         return Preemption(req_id=rid, reason=reason, freed_block_ids=held, num_computed_tokens_lost=request.num_computed_tokens)
-    who = fail["req_id"]
+    who, num_tokens = fail
+    # A failed allocation leaves the pool as it found it: the free count now is the one it failed against.
+    free_blocks = self.kv_cache_manager.block_pool.get_num_free_blocks()
     reason = (
-        f"no free KV blocks: allocate_slots for {who} ({fail['num_tokens']} tokens) "
-        f"failed with {fail['free_blocks']} free blocks; "
+        f"no free KV blocks: allocate_slots for {who} ({num_tokens} tokens) "
+        f"failed with {free_blocks} free blocks; "
         + (f"{rid} is the lowest-priority running request" if who != rid else f"{rid} itself has no one left to preempt")
     )
     return Preemption(
         req_id=rid,
         reason=reason,
         while_allocating_for=who,
-        num_tokens_requested=fail["num_tokens"],
-        free_blocks_at_failure=fail["free_blocks"],
+        num_tokens_requested=num_tokens,
+        free_blocks_at_failure=free_blocks,
         freed_block_ids=held,
         num_computed_tokens_lost=request.num_computed_tokens,
     )

@@ -87,7 +87,7 @@ weights_loaded = Probe(
     records="TP > 1: every weight shard this rank holds (name, shape, sha256) and the all-reduce path",
     pins=PINS,
     after=_loaded_after,
-    role="worker",
+    role="worker", multi_rank=True,
 )
 
 
@@ -106,14 +106,14 @@ row_parallel = Probe(
     target="vllm.model_executor.layers.linear.RowParallelLinear.forward",
     params=("self", "input_"),
     records="names the all-reduce that follows (o_proj, down_proj)",
-    pins=PINS, before=_enter, after=_leave, role="worker",
+    pins=PINS, before=_enter, after=_leave, role="worker", multi_rank=True,
 )
 vocab_embedding = Probe(
     name="tp.vocab_embedding_forward",
     target="vllm.model_executor.layers.vocab_parallel_embedding.VocabParallelEmbedding.forward",
     params=("self", "input_"),
     records="names the embedding's all-reduce",
-    pins=PINS, before=_enter, after=_leave, role="worker",
+    pins=PINS, before=_enter, after=_leave, role="worker", multi_rank=True,
 )
 
 
@@ -148,7 +148,7 @@ all_reduce = Probe(
     target="vllm.distributed.parallel_state.GroupCoordinator.all_reduce",
     params=("self", "input_"),
     records="each TP all-reduce: the partial sum going in (cloned: CPU SHM reduces in place) and the sum",
-    pins=PINS, before=_reduce_before, after=_reduce_after, role="worker",
+    pins=PINS, before=_reduce_before, after=_reduce_after, role="worker", multi_rank=True,
 )
 
 
@@ -162,7 +162,7 @@ gather_logits = Probe(
     target="vllm.model_executor.layers.logits_processor.LogitsProcessor._gather_logits",
     params=("self", "logits"),
     records="the LM head's logits shard of this rank and the gathered logits (rank 0; every rank with all-gather)",
-    pins=PINS, after=_gather_after, role="worker",
+    pins=PINS, after=_gather_after, role="worker", multi_rank=True,
 )
 
 
@@ -178,7 +178,7 @@ column_parallel = Probe(
     target="vllm.model_executor.layers.linear.ColumnParallelLinear.forward",
     params=("self", "input_"),
     records="with --capture tp: this rank's column-parallel output shard (qkv_proj, gate_up_proj inherit the forward)",
-    pins=PINS, after=_column_after, role="worker", capture_only=True,
+    pins=PINS, after=_column_after, role="worker", capture_only=True, multi_rank=True,
 )
 
 PROBES = [weights_loaded, column_parallel, row_parallel, vocab_embedding, all_reduce, gather_logits]

@@ -105,15 +105,58 @@ def read_records(path: Path, warnings: list[str]) -> list:
     if lines and lines[-1] == "":
         lines.pop()
     records = []
+    tables = _Tables()
     for i, line in enumerate(lines, 1):
         try:
-            records.append(_RECORD.validate_json(line))
+            rec = _RECORD.validate_json(line)
         except ValidationError as e:
             if i == len(lines):  # the writer was killed mid-line
                 warnings.append(f"{path.name}: skipped a truncated last line ({i})")
                 break
             raise TourError(f"{path}:{i}: not a trace record ({e.errors()[0]['msg']})") from None
+        try:
+            tables.expand(rec)
+        except ValueError as e:
+            raise TourError(f"{path}:{i}: {e}") from None
+        records.append(rec)
     return records
+
+
+class _Tables:
+    """The block tables of one records file so far: expands the probes' deltas into full tables."""
+
+    def __init__(self) -> None:
+        self.kv: dict[int, tuple[int, dict[str, list[int]]]] = {}  # rank -> (step, tables)
+        self.attn: dict[int, tuple[int, list[list[int]]]] = {}  # rank -> (step, rows)
+
+    def expand(self, rec) -> None:
+        if isinstance(rec, KVRecord):
+            if rec.block_tables_since is not None:
+                full = dict(self._base(self.kv, rec, rec.block_tables_since))
+                for rid, table in rec.block_tables.items():
+                    if table:
+                        full[rid] = table
+                    else:
+                        full.pop(rid, None)
+                rec.block_tables, rec.block_tables_since = full, None
+            self.kv[rec.proc.rank] = (rec.step, rec.block_tables)
+        elif isinstance(rec, AttentionRecord):
+            if rec.block_table_since is not None:
+                rows = list(self._base(self.attn, rec, rec.block_table_since)[: rec.num_reqs])
+                rows += [[] for _ in range(rec.num_reqs - len(rows))]
+                for i, row in zip(rec.block_table_rows or [], rec.block_table):
+                    rows[i] = row
+                rec.block_table, rec.block_table_since, rec.block_table_rows = rows, None, None
+            self.attn[rec.proc.rank] = (rec.step, rec.block_table)
+
+    @staticmethod
+    def _base(seen: dict, rec, since: int):
+        step, value = seen.get(rec.proc.rank, (None, None))
+        if step != since:
+            raise ValueError(f"{rec.kind} record of step {rec.step} is a delta against step {since}, "
+                             f"but the previous {rec.kind} record of rank {rec.proc.rank} in this file is "
+                             + (f"step {step}" if step is not None else "missing"))
+        return value
 
 
 def load_run(path: str | Path) -> Run:

@@ -27,11 +27,14 @@ FAULT_ENV = "VLLM_TOUR_FAULT"  # a probe name: that probe raises (tests)
 _SUFFIX = re.compile(r"-[0-9a-f]{8}$")
 
 
+MAX_CACHED_IDS = 4096  # more than a batch holds: cleared at most once per ~4,000 new requests
+
+
 class _UserIds(dict):
     """internal id -> user id, computed once per id (a C-level dict lookup on hits)."""
 
     def __missing__(self, internal_id: str) -> str:
-        if len(self) >= 65536:  # bounded: a long traced run sees many ids once each
+        if len(self) >= MAX_CACHED_IDS:  # bounded: a long traced run sees many ids once each (~200 B each)
             self.clear()
         user = self[internal_id] = _SUFFIX.sub("", internal_id)
         return user
@@ -62,6 +65,7 @@ class Recorder:
         self.fault: str | None = None
         self._file = None
         self._pending: list[bytes] = []  # encoded lines of this step not yet written (see write)
+        self._procs: dict[tuple, dict] = {}
         self.reset_counters()
 
     def reset_counters(self) -> None:
@@ -69,15 +73,14 @@ class Recorder:
         self.worker_step = 0  # model-runner execute_model calls
         self.in_execute = False
         self.rank = 0
-        self.kv_step = None  # scratch for the KV record of the step being scheduled
         self.kv_pending_freed: list[int] = []
         self.kv_prev_tables: dict[str, list[int]] = {}  # block tables of the previous KV record
+        self.kv_prev_step: int | None = None  # its step: the next record's tables are a delta against it
         self.kv_pending_evicted: list[int] = []
-        self.last_alloc_failure: dict | None = None
         self.preempted: list = []
         self.runner_pending = None
         self.layers_info = None
-        self.attn_prev_table = None  # (copy of the previous step's block table, its trimmed rows)
+        self.attn_prev_table = None  # (step, copy of the block table the previous attention record saw)
         self.captures: dict[str, object] = {}
         self.capture_meta: dict[str, dict] = {}
 
@@ -115,7 +118,12 @@ class Recorder:
         return Proc(role=role, pid=os.getpid(), rank=self.rank if role == "worker" else 0)
 
     def proc_dict(self, role: str) -> dict:
-        return {"role": role, "pid": os.getpid(), "rank": self.rank if role == "worker" else 0}
+        """A schema.Proc as a dict (hot paths): one per (role, pid, rank), encoded, never mutated."""
+        key = (role, os.getpid(), self.rank if role == "worker" else 0)
+        proc = self._procs.get(key)
+        if proc is None:
+            proc = self._procs[key] = dict(zip(("role", "pid", "rank"), key))
+        return proc
 
     def write(self, record, flush: bool = True) -> None:
         """Append one record: a schema model, or (on hot paths) a plain dict with the same fields.

@@ -1,0 +1,132 @@
+"""Trace writer memory over a long run: RSS growth after warm-up, 10,000 steps with the probes recording.
+
+    python -m vllm_tour.bench.writer_memory [--steps 10000] [--warmup 1000] [--json PATH]
+
+Upstream's real Scheduler at the installed pin, driven as the scheduler-only
+harness drives it (vllm_tour/sched_harness.py: tiny-qwen3's engine config, a
+fabricated model output per step), with a steady stream of requests: one
+arrives every step (48-token prompt, 32 output tokens, a fresh id each with the
+"-<8 hex>" suffix upstream's input processor adds), so about 32 run at once and
+every id is new to the probes. Two runs in this
+process: untraced, then traced (scheduler and KV probes, the records written to
+a temporary run directory). RSS is read after `--warmup` steps and at the end,
+after a full garbage collection; the traced run's growth minus the untraced
+run's is what the probes keep. Goal: traced growth < 20 MB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import random
+import sys
+import tempfile
+from pathlib import Path
+
+from .overhead import hardware
+
+PROMPT_TOKENS = 48
+OUTPUT_TOKENS = 32
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process now (not the peak)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def drive(sched, steps: int, warmup: int, seed: int = 0) -> dict:
+    """Run `steps` scheduler steps; RSS (bytes) after `warmup` steps and at the end."""
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    from ..sched_harness import _model_output
+
+    rng = random.Random(seed)
+    live: dict = {}  # the running requests only: finished ones are dropped, as an engine drops them
+    rss = {}
+    for step in range(1, steps + 1):
+        rid = f"m{step}-{rng.getrandbits(32):08x}"  # as upstream's input processor makes ids unique
+        params = SamplingParams(max_tokens=OUTPUT_TOKENS, temperature=0.0, ignore_eos=True)
+        live[rid] = Request(request_id=rid, prompt_token_ids=[rng.randrange(5, 500) for _ in range(PROMPT_TOKENS)],
+                            sampling_params=params, pooling_params=None, block_hasher=sched.tour_block_hasher)
+        sched.add_request(live[rid])
+        out = sched.schedule()
+        chunks = {r for r in out.num_scheduled_tokens if sched.requests[r].num_computed_tokens < sched.requests[r].num_tokens}
+        sched.update_from_output(out, _model_output(out, chunks, live))
+        for r in [r for r, q in live.items() if q.is_finished()]:
+            del live[r]
+        if step in (warmup, steps):
+            gc.collect()
+            rss[step] = rss_bytes()
+    return {"rss_after_warmup": rss[warmup], "rss_end": rss[steps], "growth": rss[steps] - rss[warmup], "running_at_end": len(live)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=10_000)
+    ap.add_argument("--warmup", type=int, default=1_000)
+    ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    args = ap.parse_args()
+    if not 0 < args.warmup < args.steps:
+        raise SystemExit("--warmup must be between 0 and --steps")
+
+    import vllm
+
+    from ..models import resolve_model
+    from ..pins import active_pin_tag
+    from ..probes.base import install, uninstall
+    from ..probes.install import PIN_ENV, check_probes
+    from ..scenario import Scenario
+    from ..sched_harness import _make_scheduler, scheduler_probes
+    from ..trace.writer import RECORDER
+    from ..upstream_run import engine_kwargs
+
+    tag = active_pin_tag()
+    os.environ[PIN_ENV] = tag
+    scenario = Scenario.model_validate({"name": "writer_memory", "requests": [{"id": "r0", "token_ids": [5] * PROMPT_TOKENS}]})
+    kwargs = engine_kwargs(scenario, resolve_model(scenario.model), tag)
+    resolved = check_probes(tag, probes=scheduler_probes())
+    results = {}
+    for side in ("untraced", "traced"):
+        sched = _make_scheduler(kwargs, async_sched=False)
+        with tempfile.TemporaryDirectory() as tmp:
+            if side == "traced":
+                install(resolved, RECORDER)
+                RECORDER.activate(tmp)
+            try:
+                results[side] = drive(sched, args.steps, args.warmup)
+            finally:
+                RECORDER.deactivate()
+                uninstall(resolved)
+                results[side]["trace_bytes"] = sum(f.stat().st_size for f in Path(tmp).iterdir()) if side == "traced" else 0
+        del sched
+    mb = 1 << 20
+    probes_growth = results["traced"]["growth"] - results["untraced"]["growth"]
+    hw = hardware()
+    print(f"hardware: {hw['cpu']}{' (AMX)' if hw['amx'] else ''}, {hw['cores']} cores")
+    print(f"engine:   vLLM {vllm.__version__} (pin {tag}), upstream Scheduler only (sched_harness), tiny-qwen3 config, "
+          f"block {kwargs['block_size']}, prefix caching {kwargs['enable_prefix_caching']}")
+    print(f"workload: {args.steps} steps, one request arriving per step ({PROMPT_TOKENS} prompt + {OUTPUT_TOKENS} output tokens, fresh id with upstream's suffix), "
+          f"RSS after {args.warmup} steps and at the end")
+    for side, r in results.items():
+        print(f"{side + ':':10}{r['rss_after_warmup'] / mb:8.1f} MB -> {r['rss_end'] / mb:8.1f} MB, growth {r['growth'] / mb:+.1f} MB"
+              + (f" ({r['trace_bytes'] // mb} MB of records written)" if side == "traced" else ""))
+    print(f"probes:   growth traced - untraced {probes_growth / mb:+.1f} MB; traced growth {results['traced']['growth'] / mb:+.1f} MB   goal < 20 MB")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": "python -m vllm_tour.bench.writer_memory " + " ".join(sys.argv[1:]),
+            "hardware": hw, "vllm_version": vllm.__version__, "pin": tag,
+            "workload": {"steps": args.steps, "warmup_steps": args.warmup, "prompt_tokens": PROMPT_TOKENS,
+                         "output_tokens": OUTPUT_TOKENS, "requests_arriving_per_step": 1},
+            "results_bytes": results, "probes_growth_bytes": probes_growth, "goal_bytes": 20 * mb,
+        }, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
