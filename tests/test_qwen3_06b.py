@@ -231,8 +231,7 @@ def test_cuda_golden_traces_qwen3_on_each_backend(backend):
     from vllm_tour.trace.reader import load_run
 
     d = CUDA_GOLDENS[backend]
-    if not d.is_dir():
-        pytest.skip(f"{d.relative_to(GOLDEN_DIR)} is recorded on the H200 (README: On the H200)")
+    assert d.is_dir(), f"{d.relative_to(GOLDEN_DIR)} is recorded on the H200 (README: On the H200)"
     run = load_run(d)
     assert run.meta.pin == "v0.21.0" and run.meta.weights == "dummy" and run.meta.engine_args["dtype"] == "bfloat16"
     assert run.meta.requests[0].prompt_token_ids == KNOWN_IDS["hello"] and not run.errors and run.steps
