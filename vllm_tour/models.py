@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -159,6 +160,22 @@ def tiny_model_dir(name: str) -> Path:
     return cache_dir() / "models" / f"{name}-g{GENERATOR_VERSION}"
 
 
+@contextmanager
+def built_in_place(dest: Path, name: str):
+    """A sibling temp dir to build a model in; it becomes `dest` when the block ends, and is removed if the block
+    fails: a crash never leaves half a model."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=dest.parent))
+    try:
+        yield tmp
+        if dest.exists():
+            shutil.rmtree(dest)
+        tmp.rename(dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def make_tiny_model(name: str, force: bool = False) -> Path:
     """Generate (or reuse) a tiny checkpoint in HF layout; returns its directory."""
     if name not in CONFIGS:
@@ -171,10 +188,7 @@ def make_tiny_model(name: str, force: bool = False) -> Path:
     specials = _special_ids()
     eos = specials["<|endoftext|>"]
     cfg = dict(CONFIGS[name], bos_token_id=eos, eos_token_id=eos)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    # Build in a sibling temp dir and rename: a crash never leaves half a model.
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=dest.parent))
-    try:
+    with built_in_place(dest, name) as tmp:
         save_file(_weights(cfg), str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
         gen = {"bos_token_id": eos, "eos_token_id": eos, "do_sample": False}
@@ -190,12 +204,6 @@ def make_tiny_model(name: str, force: bool = False) -> Path:
             "clean_up_tokenization_spaces": False,
         }
         (tmp / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2, sort_keys=True) + "\n")
-        if dest.exists():
-            shutil.rmtree(dest)
-        tmp.rename(dest)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return dest
 
 
@@ -279,10 +287,7 @@ def make_dummy_model(short: str) -> Path:
     if source.is_file() and json.loads(source.read_text())["ranks_sha256"] == digest:
         return dest
     check_dir(dest.parent, "model cache (VLLM_TOUR_CACHE)")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    # Built in a sibling temp dir and renamed, as the tiny models: a crash never leaves half a model.
-    tmp = Path(tempfile.mkdtemp(prefix=f".{short}-", dir=dest.parent))
-    try:
+    with built_in_place(dest, short) as tmp:
         cfg = json.loads(DUMMY_CONFIGS[short].read_text(encoding="utf-8"))
         # As in the published config.json. Without it, transformers 5 takes a local tokenizer for a possible
         # Mistral one with a wrong regex, and warns on every load.
@@ -293,12 +298,6 @@ def make_dummy_model(short: str) -> Path:
         # No local path in it: the directory's bytes (meta.model_digest) are the same on every machine.
         source_info = {"ranks": f"{ranks_package()} resources/{ranks.name}", "ranks_sha256": digest}
         (tmp / "source.json").write_text(json.dumps(source_info, indent=1) + "\n")
-        if dest.exists():
-            shutil.rmtree(dest)
-        tmp.rename(dest)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return dest
 
 
