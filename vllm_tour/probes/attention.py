@@ -81,10 +81,15 @@ def _host_tables(md, pending: dict | None):
 def _host_view(host, cm, num_reqs: int, n: int):
     """Slot mapping, block-table rows and sequence lengths as v0.21.0 computes them on the GPU
     (block_table._compute_slot_mapping_kernel: block id * block size + offset, PAD_SLOT_ID -1
-    past the scheduled tokens), from the host copies it computes them from."""
+    past the scheduled tokens), from the host copies it computes them from. Rows past the
+    batch (CUDA-graph padding) hold the null block 0 on the GPU, stale rows on the host."""
     runner, req_indices, positions = host
     bt = runner.input_batch.block_table.block_tables[0]
     table = bt.block_table.np[:num_reqs]
+    batch = runner.input_batch.num_reqs
+    if num_reqs > batch:
+        table = table.copy()
+        table[batch:] = 0
     size = bt.block_size
     slots = np.full(n, -1, dtype=np.int64)
     k = len(positions)
