@@ -65,6 +65,39 @@ def _block_rows(table: np.ndarray) -> dict:
     return {"block_table": _trim_rows(table[rows]) if rows else [], "block_table_since": prev[0], "block_table_rows": rows}
 
 
+def _host_tables(md, pending: dict | None):
+    """(runner, request index per token, positions) left by runner.py's prepare_inputs probe
+    when the kernel's slot mapping and block table follow from the runner's host state: CUDA,
+    one KV-cache group, no context parallelism. None: read the metadata's own tensors."""
+    host = pending.get("host") if pending is not None else None
+    if host is None or md.slot_mapping.is_cpu:
+        return None
+    tables = host[0].input_batch.block_table.block_tables
+    if len(tables) != 1 or getattr(tables[0], "pcp_world_size", 1) * getattr(tables[0], "dcp_world_size", 1) != 1:
+        return None
+    return host
+
+
+def _host_view(host, cm, num_reqs: int, n: int):
+    """Slot mapping, block-table rows and sequence lengths as v0.21.0 computes them on the GPU
+    (block_table._compute_slot_mapping_kernel: block id * block size + offset, PAD_SLOT_ID -1
+    past the scheduled tokens), from the host copies it computes them from. Rows past the
+    batch (CUDA-graph padding) hold the null block 0 on the GPU, stale rows on the host."""
+    runner, req_indices, positions = host
+    bt = runner.input_batch.block_table.block_tables[0]
+    table = bt.block_table.np[:num_reqs]
+    batch = runner.input_batch.num_reqs
+    if num_reqs > batch:
+        table = table.copy()
+        table[batch:] = 0
+    size = bt.block_size
+    slots = np.full(n, -1, dtype=np.int64)
+    k = len(positions)
+    slots[:k] = bt.block_table.np[req_indices, positions // size].astype(np.int64) * size + positions % size
+    seq_lens = cm._seq_lens_cpu if getattr(cm, "_seq_lens_cpu", None) is not None else runner.optimistic_seq_lens_cpu
+    return slots, table, seq_lens.numpy()[:num_reqs]
+
+
 def _layers(builder) -> list[dict]:
     if R.layers_info is None:
         ctx = builder.vllm_config.compilation_config.static_forward_context
@@ -92,7 +125,13 @@ def _build_after(token, md, self, common_prefix_len, common_attn_metadata, *a, l
     # CPU backend: the tensors live in host memory; numpy views slice far cheaper than torch.
     # The query offsets' host copy (both pins keep one) spares a CUDA run a device-to-host sync.
     qsl = _np(common_attn_metadata.query_start_loc_cpu)[: num_reqs + 1]
-    slots = _np(md.slot_mapping)[:n]
+    host = _host_tables(md, R.runner_pending)
+    if host is None:
+        slots = _np(md.slot_mapping)[:n]
+        table = _np(md.block_table)[:num_reqs]
+        seq_lens = _np(md.seq_lens)[:num_reqs]
+    else:
+        slots, table, seq_lens = _host_view(host, common_attn_metadata, num_reqs, n)
     if R.runner_pending is not None:
         R.runner_pending["slot_mapping"] = int_list(slots)
     if R.capture:
@@ -106,9 +145,9 @@ def _build_after(token, md, self, common_prefix_len, common_attn_metadata, *a, l
             "layout": layout or _layout(self),
             "isa": getattr(self, "isa", None),
             "num_reqs": num_reqs,
-            "seq_lens": _np(md.seq_lens)[:num_reqs].tolist(),
+            "seq_lens": seq_lens.tolist(),
             "query_lens": (qsl[1:] - qsl[:-1]).tolist(),
-            **_block_rows(_np(md.block_table)[:num_reqs]),
+            **_block_rows(table),
             "layers": _layers(self),
             "num_layers": len(self.layer_names),
             "num_kv_heads": getattr(getattr(self, "kv_cache_spec", None), "num_kv_heads", None),

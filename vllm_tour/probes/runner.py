@@ -9,6 +9,8 @@ metadata build (slot mapping, see attention.py) and `sample_tokens` (sampled ids
 
 from __future__ import annotations
 
+import numpy as np
+
 from ..trace.schema import int_digest
 from ..trace.writer import RECORDER as R
 from ..trace.writer import user_req_id
@@ -105,7 +107,7 @@ execute_model = Probe(
 )
 
 
-def _prepare_after(result, out, self, scheduler_output, *a, **kw):
+def _prepare_after(result, out, self, scheduler_output, num_scheduled_tokens, *a, **kw):
     p = R.runner_pending
     if p is None:
         return
@@ -113,10 +115,46 @@ def _prepare_after(result, out, self, scheduler_output, *a, **kw):
     num_reqs = self.input_batch.num_reqs
     p["req_ids"] = list(self.input_batch.req_ids[:num_reqs])
     p["input_ids"] = int_list(_array(self.input_ids.cpu, n))
-    p["positions"] = int_list(_array(self.positions, n))
+    if self.positions.is_cpu:  # the CPU runner: every buffer below is a host tensor
+        p["positions"] = int_list(self.positions.numpy()[:n])
+        p["seq_lens"] = _values(self.seq_lens, num_reqs)
+        p["logits_indices"] = _values(out[0], None)
+    else:
+        _device_after(p, self, out, num_scheduled_tokens, num_reqs, n)
     p["query_start_loc"] = _values(self.query_start_loc.cpu, num_reqs + 1)
-    p["seq_lens"] = _values(self.seq_lens, num_reqs)
-    p["logits_indices"] = _values(out[0], None)
+
+
+def _host_exact(runner) -> bool:
+    """Whether the runner's device positions and sequence lengths equal what its host
+    state gives (v0.21.0 computes them on the GPU from host copies): not under async
+    speculative decoding (device-side corrections) nor M-RoPE/XD-RoPE positions."""
+    return not (
+        getattr(runner, "use_async_spec_decode", False)
+        or getattr(runner, "uses_mrope", False)
+        or getattr(runner, "uses_xdrope_dim", 0) > 0
+        or not hasattr(runner, "optimistic_seq_lens_cpu")
+        or not hasattr(runner, "query_pos")
+    )
+
+
+def _device_after(p: dict, runner, out, num_scheduled, num_reqs: int, n: int) -> None:
+    """CUDA: the same values from the runner's host state, not copied back from the GPU
+    (each copy a device sync that also stalls async scheduling). Falls back to the
+    device copy where the host state does not determine them."""
+    if not _host_exact(runner):
+        p["positions"] = int_list(_array(runner.positions, n))
+        p["seq_lens"] = _values(runner.seq_lens, num_reqs)
+        p["logits_indices"] = _values(out[0], None)
+        return
+    req_indices = np.repeat(np.arange(num_reqs), num_scheduled)
+    positions = runner.input_batch.num_computed_tokens_cpu[req_indices].astype(np.int64) + runner.query_pos.np[:n]
+    p["positions"] = int_list(positions)
+    p["seq_lens"] = runner.optimistic_seq_lens_cpu.numpy()[:num_reqs].tolist()
+    if out[1] is None:  # no speculative decoding: upstream's query_start_loc[1:] - 1
+        p["logits_indices"] = (runner.query_start_loc.np[1 : num_reqs + 1] - 1).tolist()
+    else:
+        p["logits_indices"] = _values(out[0], None)
+    p["host"] = (runner, req_indices, positions)  # attention.py's slot mapping and block table
 
 
 def _array(t, n: int):
