@@ -2,7 +2,10 @@
 in no set order, so a probe target may be replaced before the probes install or after. Either way the probe
 wraps what is there when the run starts, records it once per call, and the run says it was replaced."""
 
+import inspect
 import json
+
+import pytest
 
 from vllm_tour.pins import active_pin_tag
 from vllm_tour.probes import base
@@ -12,6 +15,15 @@ from vllm_tour.trace.reader import load_run
 from vllm_tour.trace.writer import Recorder
 
 POOL = "vllm.v1.core.block_pool.BlockPool"
+
+
+@pytest.fixture(autouse=True)
+def own_registry(monkeypatch):
+    """These tests install probes in this process: their registry of installed wrappers is theirs, so that a
+    later install here never settles a target these tests replaced and then put back."""
+    monkeypatch.setattr(base, "_INSTALLED", {})
+    monkeypatch.setattr(base, "_UNSETTLED", [False])
+    monkeypatch.setattr(base, "_UNREPORTED", [])
 
 SCENARIO = """
 name = "two_short_requests"
@@ -121,3 +133,37 @@ def test_a_target_replaced_after_install_is_wrapped_again_at_the_first_probe_cal
                                         ".<locals>.evict")
     assert base.replaced_by(BlockPool, "free_blocks", BlockPool.free_blocks) is None
     assert base.replaced_by(BlockPool, "free_blocks", evict) == evict.__module__ + "." + evict.__qualname__
+
+
+
+def test_a_target_put_back_after_a_replacement_is_not_wrapped_again(tmp_path, monkeypatch):
+    """A plugin's replacement undone (a test's monkeypatch puts back what it found: our earlier wrapper) is not
+    a replacement: the next install's first probe call leaves it alone, with no wrapper around a wrapper of
+    ours, and resolving the target still finds upstream's function."""
+    from vllm.v1.core.block_pool import BlockPool
+
+    pin = active_pin_tag()
+    upstream = inspect.unwrap(BlockPool._maybe_evict_cached_block)  # an in-process run before may have left ours
+    monkeypatch.setattr(BlockPool, "_maybe_evict_cached_block", upstream)
+    monkeypatch.setattr(BlockPool, "get_new_blocks", inspect.unwrap(BlockPool.get_new_blocks))
+    evict = Probe(name="test.evict", target=f"{POOL}._maybe_evict_cached_block", params=("self", "block"),
+                  records="the blocks it is called with", pins=(pin,))
+    other = Probe(name="test.get_new_blocks", target=f"{POOL}.get_new_blocks", params=("self", "num_blocks"),
+                  records="nothing", pins=(pin,))
+    rec = Recorder()
+    rec.activate(tmp_path)
+    base.install([base.resolve(evict, pin)], rec)
+    ours = BlockPool._maybe_evict_cached_block
+
+    def plugin_evict(self, block):
+        return ours(self, block)
+
+    BlockPool._maybe_evict_cached_block = plugin_evict
+    pool = BlockPool(num_gpu_blocks=4, enable_caching=True, hash_block_size=16)
+    pool._maybe_evict_cached_block(pool.blocks[1])  # settles: the plugin's function is wrapped, ours goes quiet
+    BlockPool._maybe_evict_cached_block = ours  # the plugin's patch undone
+    base.install([base.resolve(other, pin)], rec)  # a later install in this process
+    pool.get_new_blocks(1)  # its first probe call settles again
+    rec.close()
+    assert BlockPool._maybe_evict_cached_block is ours
+    assert base.resolve(evict, pin).original is upstream

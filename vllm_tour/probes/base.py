@@ -84,6 +84,14 @@ def resolve_target(qualname: str) -> tuple[Any, str, Any]:
     raise LookupError(f"no importable module in {qualname}")
 
 
+def _without_ours(fn: Any) -> Any:
+    """`fn` with every wrapper of ours taken off: a wrapper of ours that came back (a monkeypatch restoring an
+    earlier value, an install over an install) is never taken for a function of upstream or of a plugin."""
+    while hasattr(fn, "__vllm_tour_original__"):
+        fn = fn.__vllm_tour_original__
+    return fn
+
+
 def _unwrap(fn: Any) -> Any:
     # Our own wrapper (an earlier install) or a decorator's functools.wraps.
     return inspect.unwrap(fn)
@@ -122,7 +130,7 @@ def resolve(probe: Probe, pin: str) -> Resolved:
         owner, attr, current = resolve_target(probe.target)
     except LookupError as e:
         raise TourError(f"probe {probe.name}: target {probe.target} not found on pin {pin} ({e})") from None
-    original = getattr(current, "__vllm_tour_original__", current)
+    original = _without_ours(current)
     _check_params(probe, original, pin)
     return Resolved(probe, owner, attr, original, pin, replaced_by(owner, attr, original))
 
@@ -207,6 +215,12 @@ def settle(recorder) -> list[Resolved]:
     for r, wrapper in list(_INSTALLED.values()):
         current = getattr(r.owner, r.attr)
         if current is wrapper or _live(current, r.probe):
+            continue
+        current = _without_ours(current)
+        if replaced_by(r.owner, r.attr, current) is None:
+            # upstream's own function, or an old wrapper of ours around it, was put back (a test's monkeypatch
+            # restoring what it found): nothing replaced the target, and the registry forgets it
+            del _INSTALLED[(id(r.owner), r.attr)]
             continue
         wrapper.__vllm_tour_live__[0] = False
         try:
