@@ -5,8 +5,6 @@ wraps what is there when the run starts, records it once per call, and the run s
 import inspect
 import json
 
-import pytest
-
 from vllm_tour.pins import active_pin_tag
 from vllm_tour.probes import base
 from vllm_tour.probes.base import Probe
@@ -16,14 +14,6 @@ from vllm_tour.trace.writer import Recorder
 
 POOL = "vllm.v1.core.block_pool.BlockPool"
 
-
-@pytest.fixture(autouse=True)
-def own_registry(monkeypatch):
-    """These tests install probes in this process: their registry of installed wrappers is theirs, so that a
-    later install here never settles a target these tests replaced and then put back."""
-    monkeypatch.setattr(base, "_INSTALLED", {})
-    monkeypatch.setattr(base, "_UNSETTLED", [False])
-    monkeypatch.setattr(base, "_UNREPORTED", [])
 
 SCENARIO = """
 name = "two_short_requests"
