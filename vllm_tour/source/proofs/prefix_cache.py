@@ -28,6 +28,16 @@ def _common(a: list[int], b: list[int]) -> int:
     return n
 
 
+def _shared_with_earlier(run: Run, req_id: str, toks: list[int], upto: int) -> int:
+    """How many leading tokens `toks` shares with any other request seen before step `upto`."""
+    return max((_common(toks, _tokens(run, o)) for o in _earlier_tables(run, upto) if o != req_id), default=0)
+
+
+def _entry(step, req_id: str):
+    """The request's entry among the step's scheduled requests."""
+    return next(e for e in step.scheduler.scheduled if e.req_id == req_id)
+
+
 def _hits(run: Run):
     for s in _sched_steps(run):
         for h in s.kv.prefix_hits:
@@ -40,7 +50,7 @@ def longest_hit_stops_at_first_miss(run: Run) -> str:
     evicted = {b: st for st, b in _replay_pool(run).evictions}
     found = []
     for s, h in _hits(run):
-        e = next(e for e in s.scheduler.scheduled if e.req_id == h.req_id)
+        e = _entry(s, h.req_id)
         toks = _tokens(run, h.req_id)[:e.num_prompt_tokens + e.num_output_tokens]
         for other, table in _earlier_tables(run, s.index).items():
             if other == h.req_id:
@@ -86,11 +96,10 @@ def hit_capped_below_prompt(run: Run) -> str:
     bs = _block_size(run)
     found = []
     for s, h in _hits(run):
-        e = next(e for e in s.scheduler.scheduled if e.req_id == h.req_id)
+        e = _entry(s, h.req_id)
         total = e.num_prompt_tokens + e.num_output_tokens
         _need(h.num_hit_tokens <= total - 1, s.index, f"{h.req_id} hit {h.num_hit_tokens} of its {total} tokens")
-        cached = max((_common(_tokens(run, h.req_id)[:total], _tokens(run, o)) for o in _earlier_tables(run, s.index)
-                      if o != h.req_id), default=0)
+        cached = _shared_with_earlier(run, h.req_id, _tokens(run, h.req_id)[:total], s.index)
         if total % bs == 0 and cached >= total:
             found.append(f"step {s.index}: {h.req_id}'s {total} tokens are all cached, yet it hits "
                          f"{h.num_hit_tokens} and computes {e.num_scheduled_tokens}")
@@ -101,7 +110,7 @@ def hit_becomes_computed(run: Run) -> str:
     """A hit found at admission becomes num_computed_tokens: only the rest of the prompt is scheduled."""
     found = []
     for s, h in _hits(run):
-        e = next(e for e in s.scheduler.scheduled if e.req_id == h.req_id)
+        e = _entry(s, h.req_id)
         _need(e.kind in ("new", "resumed") and e.num_computed_tokens == h.num_hit_tokens, s.index,
               f"{h.req_id} ({e.kind}) hit {h.num_hit_tokens} tokens, computed {e.num_computed_tokens}")
         found.append(f"step {s.index}: {h.req_id} hit {h.num_hit_tokens} of {e.num_prompt_tokens + e.num_output_tokens}"
@@ -115,8 +124,7 @@ def hits_are_whole_blocks(run: Run) -> str:
     found = []
     for s, h in _hits(run):
         _need(h.num_hit_tokens == len(h.block_ids) * bs, s.index, f"{h.req_id} hit {h.num_hit_tokens} tokens in {h.block_ids}")
-        shared = max((_common(_tokens(run, h.req_id), _tokens(run, o)) for o in _earlier_tables(run, s.index)
-                      if o != h.req_id), default=0)
+        shared = _shared_with_earlier(run, h.req_id, _tokens(run, h.req_id), s.index)
         if shared % bs:
             found.append(f"step {s.index}: {h.req_id} shares {shared} tokens with an earlier request, hits {h.num_hit_tokens}")
     return _shown(found, "a shared prefix that ends inside a block")
@@ -150,7 +158,7 @@ def hit_includes_generated_tokens(run: Run) -> str:
     """A request readmitted after preemption hits blocks filled by its own generated tokens."""
     found = []
     for s, h in _hits(run):
-        e = next(e for e in s.scheduler.scheduled if e.req_id == h.req_id)
+        e = _entry(s, h.req_id)
         if h.num_hit_tokens > e.num_prompt_tokens:
             found.append(f"step {s.index}: {h.req_id} ({e.kind}) hit {h.num_hit_tokens} tokens, past its "
                          f"{e.num_prompt_tokens}-token prompt")
