@@ -122,19 +122,12 @@ def cpu_engine_args(EngineArgs, args):
 
 def gpu_engine_args(EngineArgs, args):
     """The race's upstream side (race_upstream.py), with the backend asked for."""
-    import shutil
+    from .race_recipe import CONFIG, MAX_MODEL_LEN, TEMPERATURE, recipe, upstream_engine_kwargs
 
-    from .race_recipe import CONFIG, MAX_MODEL_LEN, TEMPERATURE, recipe
-
-    model_dir = Path(tempfile.gettempdir()) / "vllm-tour-q06"
-    model_dir.mkdir(exist_ok=True)
-    shutil.copy(CONFIG, model_dir / "config.json")
     prompts, max_tokens = recipe(args.num_seqs)
     shapes = (f"Qwen3-0.6B shapes ({CONFIG.name}), dummy weights, bf16, {args.backend}, "
               + ("enforce_eager" if args.eager else "CUDA graphs + torch.compile") + f", max_model_len {MAX_MODEL_LEN}")
-    engine_args = EngineArgs(model=str(model_dir), load_format="dummy", dtype="bfloat16", enforce_eager=args.eager,
-                             max_model_len=MAX_MODEL_LEN, skip_tokenizer_init=True, gpu_memory_utilization=0.8,
-                             attention_config={"backend": args.backend}, disable_log_stats=True, seed=0)
+    engine_args = EngineArgs(**upstream_engine_kwargs(args.backend, args.eager), disable_log_stats=True, seed=0)
     return engine_args, shapes, list(zip(prompts, max_tokens)), TEMPERATURE
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
+import tempfile
 from pathlib import Path
 
 CONFIG = Path(__file__).resolve().parent.parent / "data" / "qwen3-0.6b-config.json"
@@ -30,3 +32,14 @@ def recipe(n: int = NUM_SEQS, seed: int = 0) -> tuple[list[list[int]], list[int]
 
 def model_config() -> dict:
     return json.loads(CONFIG.read_text())
+
+
+def upstream_engine_kwargs(backend: str, eager: bool) -> dict:
+    """Upstream's engine on this recipe (the race's upstream side, the overhead bench on the GPU): Qwen3-0.6B's
+    config alone in a model directory, dummy weights, bf16, no tokenizer, the attention backend asked for."""
+    model_dir = Path(tempfile.gettempdir()) / "vllm-tour-q06"
+    model_dir.mkdir(exist_ok=True)
+    shutil.copy(CONFIG, model_dir / "config.json")
+    return dict(model=str(model_dir), load_format="dummy", dtype="bfloat16", enforce_eager=eager,
+                max_model_len=MAX_MODEL_LEN, skip_tokenizer_init=True, gpu_memory_utilization=0.8,
+                attention_config={"backend": backend})

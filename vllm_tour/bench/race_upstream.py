@@ -18,7 +18,6 @@ import json
 import logging
 import os
 import re
-import shutil
 import time
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -28,7 +27,7 @@ os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from vllm_tour.bench.race_recipe import CONFIG, MAX_MODEL_LEN, NUM_SEQS, TEMPERATURE, recipe  # noqa: E402
+from vllm_tour.bench.race_recipe import NUM_SEQS, TEMPERATURE, recipe, upstream_engine_kwargs  # noqa: E402
 
 REPORTED = re.compile(r"backend|flash.?attn|flashattention|cuda ?graph|cudagraph|torch\.compile", re.IGNORECASE)
 MAX_REPORTED_LINES = 12
@@ -64,9 +63,6 @@ def main():
     ap.add_argument("--backend", default="FLASH_ATTN", help="attention backend asked for (attention_config)")
     ap.add_argument("--num-seqs", type=int, default=NUM_SEQS)
     a = ap.parse_args()
-    d = "/tmp/q06"
-    os.makedirs(d, exist_ok=True)
-    shutil.copy(CONFIG, os.path.join(d, "config.json"))
     import torch
     import vllm
     from vllm import LLM, SamplingParams
@@ -75,9 +71,7 @@ def main():
     reported = Reported()
     logging.getLogger("vllm").addHandler(reported)
     t0 = time.time()
-    llm = LLM(model=d, load_format="dummy", dtype="bfloat16", enforce_eager=(a.mode == "eager"),
-              max_model_len=MAX_MODEL_LEN, skip_tokenizer_init=True,
-              attention_config={"backend": a.backend}, gpu_memory_utilization=0.8)
+    llm = LLM(**upstream_engine_kwargs(a.backend, eager=(a.mode == "eager")))
     init_s = time.time() - t0
     print("init", round(init_s, 1), flush=True)
     prompts, max_tokens = recipe(a.num_seqs)
