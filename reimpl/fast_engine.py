@@ -371,12 +371,20 @@ class FastEngine:
         for k, a in arrays.items():
             groups.setdefault(a.dtype, []).append(k)
         res = {}
-        for names in groups.values():
-            flat = torch.from_numpy(np.concatenate([arrays[k].ravel() for k in names]))
+        for dtype, names in groups.items():
+            # Every part starts on a 16-byte boundary. Triton compiles a kernel variant per pointer
+            # alignment (16 bytes or not): packed end to end, a part's alignment would follow the sizes of
+            # the parts before it, and steps of new sizes would stop to compile mid-run.
+            per = 16 // dtype.itemsize
+            sizes = [arrays[k].size for k in names]
+            starts = np.cumsum([0] + [-(-n // per) * per for n in sizes]).tolist()
+            flat = np.zeros(starts[-1], dtype)
+            for k, s, n in zip(names, starts, sizes):
+                flat[s : s + n] = arrays[k].ravel()
+            dev = torch.from_numpy(flat)
             if self.device.type == "cuda":
-                flat = flat.pin_memory().to(self.device, non_blocking=True)
-            parts = flat.split([arrays[k].size for k in names])
-            res.update({k: t.view(arrays[k].shape) for k, t in zip(names, parts)})
+                dev = dev.pin_memory().to(self.device, non_blocking=True)
+            res.update({k: dev[s : s + n].view(arrays[k].shape) for k, s, n in zip(names, starts, sizes)})
         return res
 
     def launch(self, out: SchedulerOutput) -> InFlight:

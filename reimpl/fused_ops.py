@@ -225,7 +225,9 @@ def silu_and_mul_ref(x):
 # token id, as torch.argmax. Upstream (v0.21.0, FlashInfer off) does this in torch: divide, softmax,
 # exponential_, divide, argmax (vllm.v1.sample.ops.topk_topp_sampler.random_sample), ~5 passes over
 # [rows, vocab] fp32; the noise here is Triton's Philox (tl.rand), keyed by (seed, row, token).
-@triton.jit
+# `seed` changes every step: unspecialized, or Triton would compile a variant for seeds divisible by 16 (and
+# for 1) the first time one comes, mid-run.
+@triton.jit(do_not_specialize=["seed"])
 def _sample_kernel(logits_ptr, stride, temps_ptr, out_ptr, V, seed, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     t = tl.load(temps_ptr + row)

@@ -108,3 +108,29 @@ def test_prepare_positions_and_slots():
     assert x.slots.tolist() == [ta[p // 4] * 4 + p % 4 for p in range(6)] + [tb[0] * 4 + p for p in range(3)]
     assert x.cu.tolist() == [0, 6, 9] and x.seq_lens.tolist() == [6, 3] and x.max_q == 6
     assert x.sample_idx == [5, 8] and x.sample_rids == ["a", "b"] and x.prev_dst.size == 0
+
+
+def test_upload_starts_every_part_on_16_bytes():
+    """Parts of odd sizes packed into one upload still start 16-byte aligned (Triton compiles a variant per
+    pointer alignment: a part's alignment must not follow the sizes before it) and hold their values."""
+    import numpy as np
+
+    eng = _tiny_engine()
+    arrays = {"a": np.arange(3, dtype=np.int64), "b": np.arange(5, dtype=np.int64) + 10,
+              "c": np.arange(7, dtype=np.int32), "d": np.arange(6, dtype=np.int32).reshape(2, 3),
+              "e": np.ones(1, np.float32)}
+    d = eng._upload(**arrays)
+    for k, a in arrays.items():
+        assert d[k].data_ptr() % 16 == 0, k
+        assert d[k].shape == a.shape and d[k].numpy().tolist() == a.tolist(), k
+
+
+def test_per_step_kernel_arguments_are_not_specialized():
+    """Integer arguments that change from step to step are left out of Triton's specialization (divisible by
+    16, equal to 1): otherwise a new value would stop the run to compile a kernel variant."""
+    from reimpl import fused_ops, triton_attn
+
+    for kernel, names in ((fused_ops._sample_kernel, {"seed"}), (triton_attn.paged_attention_kernel, {"num_seqs", "stride_bt"})):
+        params = [p.name for p in kernel.params]
+        unspecialized = {params[i] if isinstance(i, int) else i for i in kernel.do_not_specialize}
+        assert names <= unspecialized, (kernel.fn.__name__, unspecialized)

@@ -13,6 +13,12 @@
    the race passes through, and of the attention kernel alone at those shapes,
    with upstream's Triton kernel beside it when `--vllm-src` is given.
 3. The CUDA kernels of one eager decode forward, by total time (torch.profiler).
+4. (`--gaps`) The race as it really runs (async scheduling, no extra sync):
+   a CUDA event before and after each step's device work gives the time the
+   GPU waited for the host between steps, per bucket; the whole-run GPU idle
+   share is what overlapping host and device still leaves on the table.
+5. (`--host`) The host's cost of launching one eager decode forward: wall
+   time per forward when the GPU keeps up, and cProfile's top functions.
 
 Prints `PROFILE {json}`; writes $OUT/race_profile.json when $OUT is set.
 """
@@ -120,6 +126,89 @@ def phase_profile(eng, reqs) -> dict:
     return {"wall_s": round(wall, 3), "tokens": tokens, "tok_per_s": round(tokens / wall, 1), "buckets": table}
 
 
+def gpu_gaps(eng, reqs) -> dict:
+    """The async race with an event recorded on the stream before and after each step's device work.
+    An event is reached when the stream gets to it: `end(t) -> start(t+1)` is the time the GPU had
+    nothing queued (it waited for the host), `start(t) -> end(t)` the step's device time."""
+    import torch
+
+    marks: list[tuple[int, bool, object, object]] = []
+    orig_launch, orig_upload = eng.launch, eng._upload
+    start = []
+
+    def upload(**arrays):  # a step's first device work: the start event goes right before it
+        a = torch.cuda.Event(enable_timing=True)
+        a.record()
+        start.append(a)
+        return orig_upload(**arrays)
+
+    def launch(out):
+        start.clear()
+        r = orig_launch(out)
+        b = torch.cuda.Event(enable_timing=True)
+        b.record()
+        marks.append((len(out.scheduled), all(s.num_tokens == 1 for s in out.scheduled), start[0], b))
+        return r
+
+    eng.launch, eng._upload = launch, upload
+    t0 = time.perf_counter()
+    outs = eng.generate(reqs)
+    wall = time.perf_counter() - t0
+    eng.launch, eng._upload = orig_launch, orig_upload
+    torch.cuda.synchronize()
+    agg: dict[str, dict] = {}
+    for i, (n, decode, a, b) in enumerate(marks):
+        key = ("decode " + _bucket(n)) if decode else "prefill/mixed"
+        g = agg.setdefault(key, {"steps": 0, "busy_ms": 0.0, "idle_before_ms": 0.0})
+        g["steps"] += 1
+        g["busy_ms"] += a.elapsed_time(b)
+        if i:
+            g["idle_before_ms"] += marks[i - 1][3].elapsed_time(a)
+    busy = sum(g["busy_ms"] for g in agg.values()) / 1e3
+    idle = sum(g["idle_before_ms"] for g in agg.values()) / 1e3
+    tokens = sum(len(v) for v in outs.values())
+    return {"wall_s": round(wall, 3), "tok_per_s": round(tokens / wall, 1), "gpu_busy_s": round(busy, 3),
+            "gpu_idle_between_steps_s": round(idle, 3),
+            "buckets": {k: {"steps": g["steps"], "busy_ms_per_step": round(g["busy_ms"] / g["steps"], 3),
+                            "idle_ms_per_step": round(g["idle_before_ms"] / g["steps"], 3)}
+                        for k, g in sorted(agg.items())}}
+
+
+def host_cost(eng, batch: int = 256, ctx: int = 900) -> dict:
+    """Host time of one eager decode forward's launches: at batch 1 (the GPU keeps up, so the wall time
+    per forward is the host's) and, by cProfile, where it goes at `batch`."""
+    import cProfile
+    import pstats
+
+    import torch
+
+    res = {}
+    for b in (1, batch):
+        ids, pos, slots, bt, cu, seq_lens, _ = _decode_inputs(eng, b, ctx)
+        d = eng._upload(ids=ids, pos=pos, slots=slots, bt=bt, cu=cu, seq_lens=seq_lens)
+        args = (d["ids"], d["pos"], d["slots"], d["bt"], d["cu"], d["seq_lens"], 1, eng.caches, eng.attn_fn)
+        eng.model.forward(*args)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(20):
+            eng.model.forward(*args)
+        host = (time.perf_counter() - t) / 20
+        torch.cuda.synchronize()
+        res[f"batch_{b}_host_ms_per_forward"] = round(host * 1e3, 3)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(5):
+        eng.model.forward(*args)
+    prof.disable()
+    torch.cuda.synchronize()
+    stats = pstats.Stats(prof)
+    top = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:15]  # by own time
+    res["top_own_time"] = [{"fn": f"{k[0].rsplit('/', 2)[-1]}:{k[1]}:{k[2]}", "calls_per_forward": v[1] / 5,
+                            "own_us_per_forward": round(v[2] / 5 * 1e6, 1), "cum_us_per_forward": round(v[3] / 5 * 1e6, 1)}
+                           for k, v in top]
+    return res
+
+
 def _decode_inputs(eng, batch: int, ctx: int):
     """Decode inputs for `batch` sequences of `ctx` tokens over distinct blocks of the engine's cache."""
     import numpy as np
@@ -222,7 +311,21 @@ def main(argv=None) -> int:
     ap.add_argument("--num-seqs", type=int, default=256)
     ap.add_argument("--vllm-src", help="tar.xz of upstream vLLM's Python sources: time its attention kernel too")
     ap.add_argument("--skip-race", action="store_true")
+    ap.add_argument("--gaps", action="store_true", help="only the async race with the GPU's idle time between steps")
+    ap.add_argument("--host", action="store_true", help="only the host's cost of launching an eager forward")
     a = ap.parse_args(argv)
+    if a.gaps or a.host:
+        eng, reqs, init_s = build_reimpl(a.mode, a.num_seqs)
+        res = {"mode": a.mode, "num_seqs": a.num_seqs, "init_s": round(init_s, 1)}
+        if a.gaps:
+            res["gaps"] = gpu_gaps(eng, reqs)
+        if a.host:
+            res["host"] = host_cost(eng)
+        print("PROFILE " + json.dumps(res), flush=True)
+        if os.environ.get("OUT"):
+            name = "_".join(k for k in ("gaps", "host") if getattr(a, k))
+            Path(os.environ["OUT"], f"race_profile_{a.mode}_{name}.json").write_text(json.dumps(res, indent=1))
+        return 0
     upstream_attn = None
     if a.vllm_src:
         from vllm_tour.bench.triton_attn_gpu import load_upstream
