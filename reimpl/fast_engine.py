@@ -68,10 +68,19 @@ AttnFn = Callable[..., torch.Tensor]  # (q, k_cache, v_cache, block_table, cu_se
 def default_attn_fn(device: torch.device) -> AttnFn:
     """The Triton kernel on a GPU; the fp32 torch reference elsewhere."""
     if device.type == "cuda":
-        from .triton_attn import paged_attention
+        from .triton_attn import PagedAttention
+
+        last: list = [(), None]  # (the tensors of the last call, its launch)
 
         def triton_fn(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, max_seqlen_q):
-            return paged_attention(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, max_seqlen_q=max_seqlen_q)
+            # Every layer of a forward passes the same batch tensors and the same q buffer (a new one per forward,
+            # fused_ops.LayerKernels): the launch is worked out on the first layer. Never reused by another
+            # forward: its split buffers may belong to a captured graph.
+            seen = last[0]
+            if len(seen) != 4 or any(a is not b for a, b in zip(seen, (q, block_table, cu_seqlens_q, seq_lens))):
+                last[:] = ((q, block_table, cu_seqlens_q, seq_lens),
+                           PagedAttention(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, max_seqlen_q))
+            return last[1](q, k_cache, v_cache)
 
         return triton_fn
     from .attn_reference import paged_attention_reference
@@ -202,25 +211,27 @@ class FastQwen3:
         """`forward` with the elementwise maths in three Triton kernels (reimpl/fused_ops.py): per layer
         2 x add+RMSNorm, 1 x q/k-norm+RoPE+K/V write, 1 x SiLU*mul, besides the 4 matmuls and attention.
         The residual stream `x` is updated in place, as upstream's fused_add_rms_norm does."""
-        from .fused_ops import fused_add_rms_norm, qk_norm_rope_kv_write, rms_norm, silu_and_mul
+        from .fused_ops import LayerKernels, rms_norm
 
         n, nh, hd = input_ids.shape[0], self.num_heads, self.head_dim
+        k = LayerKernels(n, self.hidden, self.layers[0]["down"].shape[1], nh, self.num_kv_heads, hd, self.eps,
+                         self.device, self.dtype)
         x = self.embed[input_ids]  # the residual stream
         delta = None  # what the previous layer adds to it
         for L, (kc, vc) in zip(self.layers, caches):
             if delta is None:
                 h = rms_norm(x, L["ln1"], self.eps)
             else:
-                h, x = fused_add_rms_norm(delta, x, L["ln1"], self.eps)
+                h, x = k.add_rms_norm(delta, x, L["ln1"])
             qkv = F.linear(h, L["qkv"])
-            q = qk_norm_rope_kv_write(qkv, L["q_norm"], L["k_norm"], self.cos, self.sin, positions, slot_mapping,
-                                      kc, vc, nh, self.num_kv_heads, hd, self.eps)
+            q = k.qk_norm_rope_kv_write(qkv, L["q_norm"], L["k_norm"], self.cos, self.sin, positions, slot_mapping,
+                                        kc, vc)
             o = attn_fn(q, kc, vc, block_table, cu_seqlens_q, seq_lens, max_seqlen_q)
-            h, x = fused_add_rms_norm(F.linear(o.reshape(n, nh * hd), L["o"]), x, L["ln2"], self.eps)
-            delta = F.linear(silu_and_mul(F.linear(h, L["gate_up"])), L["down"])
+            h, x = k.add_rms_norm(F.linear(o.reshape(n, nh * hd), L["o"]), x, L["ln2"])
+            delta = F.linear(k.silu_and_mul(F.linear(h, L["gate_up"])), L["down"])
         if delta is None:
             return rms_norm(x, self.norm, self.eps)
-        return fused_add_rms_norm(delta, x, self.norm, self.eps)[0]
+        return k.add_rms_norm(delta, x, self.norm)[0]
 
     def logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
         out = F.linear(hidden, self.lm_head)

@@ -54,6 +54,7 @@ import triton
 import triton.language as tl
 
 from . import qwen3_numerics
+from .triton_launch import Launch
 
 
 # --------------------------------------------------------------------------
@@ -213,6 +214,42 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 def silu_and_mul_ref(x):
     return qwen3_numerics.silu_and_mul(*x.chunk(2, dim=-1))
+
+
+# --------------------------------------------------------------------------
+# The three kernels for every layer of one forward
+# --------------------------------------------------------------------------
+class LayerKernels:
+    """The kernels above for one forward of `n` tokens, launched once per layer through
+    reimpl/triton_launch.py (Triton's lookup on the first layer only), with the per-layer outputs (q, the
+    SiLU*up product) in buffers every layer reuses: the stream runs a layer's reads of them before the
+    next layer's writes. Same arguments, same kernels as the functions above."""
+
+    def __init__(self, n: int, hidden: int, intermediate: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 eps: float, device, dtype):
+        self.hidden, self.intermediate, self.eps = hidden, intermediate, eps
+        half = head_dim // 2
+        self._add_norm = Launch(_add_rms_norm_kernel, (n,), HAS_RES=True, BLOCK=triton.next_power_of_2(hidden))
+        self._qk = Launch(_qk_norm_rope_kv_kernel, (n, num_heads + num_kv_heads), NH=num_heads, KVH=num_kv_heads,
+                          HD=head_dim, HALF=half, BLOCK_H=triton.next_power_of_2(half))
+        self._silu = Launch(_silu_and_mul_kernel, (n, triton.cdiv(intermediate, 1024)), BLOCK=1024)
+        self.q = torch.empty(n, num_heads, head_dim, device=device, dtype=dtype)
+        self.act = torch.empty(n, intermediate, device=device, dtype=dtype)
+
+    def add_rms_norm(self, x, residual, weight):
+        """fused_add_rms_norm: residual <- x + residual; x <- rms_norm(residual) * weight. Returns (x, residual)."""
+        self._add_norm(x, residual, weight, self.hidden, self.eps)
+        return x, residual
+
+    def qk_norm_rope_kv_write(self, qkv, q_norm_w, k_norm_w, cos_table, sin_table, positions, slot_mapping,
+                              k_cache, v_cache):
+        self._qk(qkv, q_norm_w, k_norm_w, cos_table, sin_table, positions, slot_mapping, self.q, k_cache, v_cache,
+                 qkv.stride(0), self.eps)
+        return self.q
+
+    def silu_and_mul(self, x):
+        self._silu(x, self.act, self.intermediate)
+        return self.act
 
 
 # --------------------------------------------------------------------------

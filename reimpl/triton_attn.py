@@ -51,6 +51,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_launch import Launch
+
 # exp(x) == exp2(x * log2(e)). The GPU has a fast native exp2 instruction, so
 # we fold log2(e) into the softmax scale once and use exp2 everywhere. The
 # softmax is unchanged because max/subtract/exp commute with a positive scale.
@@ -511,76 +513,99 @@ def paged_attention(
     ``max_seqlen_q`` only picks the tiling; pass it when you know it, to avoid
     a device-to-host copy (upstream's caller always knows it).
     """
-    num_tokens, num_q_heads, head_size = q.shape
-    num_blocks, page, num_kv_heads, k_head_size = k_cache.shape
-    assert k_head_size == head_size and v_cache.shape == k_cache.shape
-    assert num_q_heads % num_kv_heads == 0, "GQA needs num_q_heads % num_kv_heads == 0"
-    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
-    group = num_q_heads // num_kv_heads
-    num_seqs = seq_lens.shape[0]
-    if scale is None:
-        scale = 1.0 / math.sqrt(head_size)
-    if out is None:
-        out = torch.empty_like(q)
     if max_seqlen_q is None:
         max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
-    if config is None:
-        config = choose_config(max_seqlen_q, num_tokens, num_seqs, group, num_kv_heads)
+    attend = PagedAttention(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, max_seqlen_q, scale=scale,
+                            config=config)
+    return attend(q, k_cache, v_cache, out)
 
-    # See _attend_tile: the CPU interpreter cannot tl.dot bf16 operands.
-    interpret_bf16 = os.environ.get("TRITON_INTERPRET") == "1" and q.dtype == torch.bfloat16
-    head_pad = triton.next_power_of_2(head_size)
-    # Split keys (section 4) only for decode rows, where a row's keys are its sequence's: the reduce
-    # counts a row's segments from seq_lens. The grid covers the longest sequence the block table can
-    # hold, so it is the same for every step of a CUDA graph; segments past a sequence's end exit at once.
-    seg_tiles = config.seg_tiles if max_seqlen_q == 1 else 0
-    block_q = 1 if seg_tiles else config.block_q
-    block_m = max(16, triton.next_power_of_2(block_q * group))
-    if seg_tiles:
-        seg_len = seg_tiles * config.tile_n
-        n_segs = -(-block_table.shape[1] * page // seg_len)
-        max_segs = triton.next_power_of_2(n_segs)
-        part_acc = torch.empty(num_tokens, num_q_heads, max_segs, head_pad, device=q.device, dtype=torch.float32)
-        part_ml = torch.empty(num_tokens, num_q_heads, max_segs, 2, device=q.device, dtype=torch.float32)
-    else:
-        part_acc = part_ml = out  # not read
-        max_segs = 1
-    # A decode batch needs one program per sequence; otherwise the upper bound of _find_seq's numbering.
-    decode_only = max_seqlen_q == 1 and block_q == 1
-    heads_first = decode_only and config.heads_first
-    n_qblocks = num_seqs if decode_only else num_tokens // block_q + num_seqs
-    grid = ((num_kv_heads, n_qblocks) if heads_first else (n_qblocks, num_kv_heads)) + (n_segs if seg_tiles else 1,)
-    paged_attention_kernel[grid](
-        out, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q,
-        scale * LOG2E, num_seqs,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        part_acc, part_ml,
-        MAX_SEGS=max_segs,
-        SEG_TILES=seg_tiles,
-        GROUP=group,
-        PAGE=page,
-        HEAD_SIZE=head_size,
-        HEAD_PAD=head_pad,
-        BLOCK_Q=block_q,
-        DECODE_ONLY=decode_only,
-        HEADS_FIRST=heads_first,
-        NUM_KV_HEADS=num_kv_heads,
-        BLOCK_M=block_m,
-        TILE_N=config.tile_n,
-        DOT_PRECISION="ieee" if (q.dtype == torch.float32 or interpret_bf16) else "tf32",
-        UPCAST_DOT=interpret_bf16,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-    )  # fmt: skip
-    if seg_tiles:
-        _reduce_segments_kernel[(num_tokens, num_q_heads)](
-            out, part_acc, part_ml, seq_lens, out.stride(0), out.stride(1),
-            NUM_Q_HEADS=num_q_heads, MAX_SEGS=max_segs, SEG_LEN=seg_len,
-            HEAD_SIZE=head_size, HEAD_PAD=head_pad, UPCAST_DOT=interpret_bf16,
+
+class PagedAttention:
+    """One batch's attention launch, ready for every layer of a forward: the tiling, the grid, the split
+    buffers and the arguments layers share (block table, lengths, strides) are worked out once, and the
+    kernels launch through reimpl/triton_launch.py (Triton's lookup once, not per layer). Each call takes
+    a layer's queries and caches, of the shapes and dtypes of the first."""
+
+    def __init__(self, q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, max_seqlen_q: int, *,
+                 scale: float | None = None, config: LaunchConfig | None = None):
+        num_tokens, num_q_heads, head_size = q.shape
+        num_blocks, page, num_kv_heads, k_head_size = k_cache.shape
+        assert k_head_size == head_size and v_cache.shape == k_cache.shape
+        assert num_q_heads % num_kv_heads == 0, "GQA needs num_q_heads % num_kv_heads == 0"
+        assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+        group = num_q_heads // num_kv_heads
+        num_seqs = seq_lens.shape[0]
+        if scale is None:
+            scale = 1.0 / math.sqrt(head_size)
+        if config is None:
+            config = choose_config(max_seqlen_q, num_tokens, num_seqs, group, num_kv_heads)
+        # See _attend_tile: the CPU interpreter cannot tl.dot bf16 operands.
+        interpret_bf16 = os.environ.get("TRITON_INTERPRET") == "1" and q.dtype == torch.bfloat16
+        head_pad = triton.next_power_of_2(head_size)
+        # Split keys (section 4) only for decode rows, where a row's keys are its sequence's: the reduce
+        # counts a row's segments from seq_lens. The grid covers the longest sequence the block table can
+        # hold, so it is the same for every step of a CUDA graph; segments past a sequence's end exit at once.
+        seg_tiles = config.seg_tiles if max_seqlen_q == 1 else 0
+        block_q = 1 if seg_tiles else config.block_q
+        block_m = max(16, triton.next_power_of_2(block_q * group))
+        if seg_tiles:
+            seg_len = seg_tiles * config.tile_n
+            n_segs = -(-block_table.shape[1] * page // seg_len)
+            max_segs = triton.next_power_of_2(n_segs)
+            part_acc = torch.empty(num_tokens, num_q_heads, max_segs, head_pad, device=q.device, dtype=torch.float32)
+            part_ml = torch.empty(num_tokens, num_q_heads, max_segs, 2, device=q.device, dtype=torch.float32)
+        else:
+            part_acc = part_ml = None  # not read; the output stands in for them
+            max_segs = 1
+        # A decode batch needs one program per sequence; otherwise the upper bound of _find_seq's numbering.
+        decode_only = max_seqlen_q == 1 and block_q == 1
+        heads_first = decode_only and config.heads_first
+        n_qblocks = num_seqs if decode_only else num_tokens // block_q + num_seqs
+        grid = ((num_kv_heads, n_qblocks) if heads_first else (n_qblocks, num_kv_heads)) + (n_segs if seg_tiles else 1,)
+        self.q_shape, self.q_dtype = q.shape, q.dtype
+        self.part_acc, self.part_ml = part_acc, part_ml
+        # The arguments after (out, q, k_cache, v_cache); every layer's tensors have the first's strides.
+        self.shared = (block_table, seq_lens, cu_seqlens_q, scale * LOG2E, num_seqs,
+                       q.stride(0), q.stride(1), q.stride(0), q.stride(1), block_table.stride(0),
+                       *k_cache.stride()[:3], *v_cache.stride()[:3])
+        self.strides = (q.stride(), k_cache.stride(), v_cache.stride())
+        self.attend = Launch(
+            paged_attention_kernel, grid, {"num_warps": config.num_warps, "num_stages": config.num_stages},
+            MAX_SEGS=max_segs,
+            SEG_TILES=seg_tiles,
+            GROUP=group,
+            PAGE=page,
+            HEAD_SIZE=head_size,
+            HEAD_PAD=head_pad,
+            BLOCK_Q=block_q,
+            DECODE_ONLY=decode_only,
+            HEADS_FIRST=heads_first,
+            NUM_KV_HEADS=num_kv_heads,
+            BLOCK_M=block_m,
+            TILE_N=config.tile_n,
+            DOT_PRECISION="ieee" if (q.dtype == torch.float32 or interpret_bf16) else "tf32",
+            UPCAST_DOT=interpret_bf16,
         )  # fmt: skip
-    return out
+        self.reduce = None
+        if seg_tiles:
+            self.reduce = Launch(
+                _reduce_segments_kernel, (num_tokens, num_q_heads),
+                NUM_Q_HEADS=num_q_heads, MAX_SEGS=max_segs, SEG_LEN=seg_len,
+                HEAD_SIZE=head_size, HEAD_PAD=head_pad, UPCAST_DOT=interpret_bf16,
+            )  # fmt: skip
+
+    def __call__(self, q, k_cache, v_cache, out: torch.Tensor | None = None) -> torch.Tensor:
+        assert q.shape == self.q_shape and q.dtype == self.q_dtype
+        assert (q.stride(), k_cache.stride(), v_cache.stride()) == self.strides
+        if out is None:
+            out = torch.empty_like(q)
+        assert out.stride() == q.stride()
+        part_acc = out if self.part_acc is None else self.part_acc
+        part_ml = out if self.part_ml is None else self.part_ml
+        self.attend(out, q, k_cache, v_cache, *self.shared, part_acc, part_ml)
+        if self.reduce is not None:
+            self.reduce(out, part_acc, part_ml, self.shared[1], out.stride(0), out.stride(1))
+        return out
 
 
 # --------------------------------------------------------------------------
