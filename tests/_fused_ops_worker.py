@@ -104,6 +104,43 @@ def case_forward(dt):
             "v_cache": verdict(torch.stack([v for _, v in c1]), torch.stack([v for _, v in c0]), dt, TOL_FORWARD)}
 
 
+def case_attention_plans(dt):
+    """The fused forward with the Triton attention (fast_engine.default_attn_fn on a GPU; here under the
+    interpreter): one attention launch worked out per forward, shared by its layers, and a second forward
+    with the same batch tensors works out its own (a launch kept from an earlier forward would write the
+    split buffers an earlier CUDA graph owns). Same hidden states as with the reference attention."""
+    if dt != torch.float32:
+        return {}
+    from reimpl import triton_attn
+    from reimpl.attn_reference import paged_attention_reference
+    from reimpl.fast_engine import FastQwen3, default_attn_fn
+
+    cfg = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+           "hidden_size": 32, "intermediate_size": 48, "vocab_size": 64, "rms_norm_eps": 1e-6,
+           "max_position_embeddings": 64, "tie_word_embeddings": True}
+    made = []
+
+    class Counted(triton_attn.PagedAttention):
+        def __init__(self, *a, **k):
+            made.append(1)
+            super().__init__(*a, **k)
+
+    real, triton_attn.PagedAttention = triton_attn.PagedAttention, Counted
+    try:
+        attn = default_attn_fn(torch.device("cuda"))
+    finally:
+        triton_attn.PagedAttention = real
+    ref = lambda q, kc, vc, bt, cu, sl, mq: paged_attention_reference(q, kc, vc, bt, cu, sl).to(q.dtype)  # noqa: E731
+    m = FastQwen3.random(cfg, device="cpu", dtype=dt, seed=0, fused=True)
+    ids, pos = torch.tensor([3, 9, 1, 4, 7]), torch.tensor([0, 1, 2, 3, 4])
+    bt, slots = torch.tensor([[1, 2]], dtype=torch.int32), torch.tensor([4, 5, 6, 7, 8])
+    cu, sl = torch.tensor([0, 5], dtype=torch.int32), torch.tensor([5], dtype=torch.int32)
+    hidden = [m.forward(ids, pos, slots, bt, cu, sl, 5, m.new_kv_caches(4, 4), fn) for fn in (attn, attn, ref)]
+    return {"one_launch_per_forward": {"ok": len(made) == 2, "made": len(made)},
+            "same_as_reference": verdict(hidden[0], hidden[2], dt, TOL_FORWARD),
+            "second_forward_same": {"ok": bool(torch.equal(hidden[0], hidden[1]))}}
+
+
 def case_sample(dt):
     """Greedy rows (temperature 0): torch.argmax, ties to the lowest id. Temperature rows (fp32 only: the
     noise does not depend on the dtype, and 192 rows are slow in the interpreter): 192 draws from one row
@@ -125,7 +162,8 @@ def case_sample(dt):
 
 
 CASES = {"add_rms_norm": case_add_rms_norm, "qk_norm_rope_kv": case_qk_norm_rope_kv,
-         "silu_and_mul": case_silu_and_mul, "forward": case_forward, "sample": case_sample}
+         "silu_and_mul": case_silu_and_mul, "forward": case_forward, "sample": case_sample,
+         "attention_plans": case_attention_plans}
 
 
 def main():
