@@ -70,7 +70,7 @@ def default_attn_fn(device: torch.device) -> AttnFn:
     if device.type == "cuda":
         from .triton_attn import PagedAttention
 
-        last: list = [(), None]  # (the tensors of the last call, its launch)
+        last: list = [(), None, None]  # (the tensors of the last call, its launch, its output buffer)
 
         def triton_fn(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, max_seqlen_q):
             # Every layer of a forward passes the same batch tensors and the same q buffer (a new one per forward,
@@ -79,8 +79,9 @@ def default_attn_fn(device: torch.device) -> AttnFn:
             seen = last[0]
             if len(seen) != 4 or any(a is not b for a, b in zip(seen, (q, block_table, cu_seqlens_q, seq_lens))):
                 last[:] = ((q, block_table, cu_seqlens_q, seq_lens),
-                           PagedAttention(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, max_seqlen_q))
-            return last[1](q, k_cache, v_cache)
+                           PagedAttention(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, max_seqlen_q),
+                           torch.empty_like(q))  # the output, reused by every layer as the q buffer is
+            return last[1](q, k_cache, v_cache, last[2])
 
         return triton_fn
     from .attn_reference import paged_attention_reference
@@ -129,6 +130,8 @@ class FastQwen3:
                 "gate_up": torch.cat([W(p + "mlp.gate_proj.weight"), W(p + "mlp.up_proj.weight")], 0).contiguous(),
                 "down": W(p + "mlp.down_proj.weight"),
             })  # fmt: skip
+        for L in self.layers:  # x @ W.T as views, made once (the fused path's matmuls write into buffers)
+            L.update({f"{name}_t": L[name].t() for name in ("qkv", "o", "gate_up", "down")})
         self.norm = W("model.norm.weight")
         self.lm_head = W("lm_head.weight") if "lm_head.weight" in weights else self.embed
         # RoPE tables [max_pos, head_dim / 2] (neox halves) in the model dtype, indexed by position.
@@ -223,12 +226,12 @@ class FastQwen3:
                 h = rms_norm(x, L["ln1"], self.eps)
             else:
                 h, x = k.add_rms_norm(delta, x, L["ln1"])
-            qkv = F.linear(h, L["qkv"])
+            qkv = k.linear(h, L["qkv_t"], k.qkv)
             q = k.qk_norm_rope_kv_write(qkv, L["q_norm"], L["k_norm"], self.cos, self.sin, positions, slot_mapping,
                                         kc, vc)
             o = attn_fn(q, kc, vc, block_table, cu_seqlens_q, seq_lens, max_seqlen_q)
-            h, x = k.add_rms_norm(F.linear(o.reshape(n, nh * hd), L["o"]), x, L["ln2"])
-            delta = F.linear(k.silu_and_mul(F.linear(h, L["gate_up"])), L["down"])
+            h, x = k.add_rms_norm(k.linear(o.view(n, nh * hd), L["o_t"], k.o), x, L["ln2"])
+            delta = k.linear(k.silu_and_mul(k.linear(h, L["gate_up_t"], k.gate_up)), L["down_t"], k.down)
         if delta is None:
             return rms_norm(x, self.norm, self.eps)
         return k.add_rms_norm(delta, x, self.norm)[0]

@@ -221,9 +221,10 @@ def silu_and_mul_ref(x):
 # --------------------------------------------------------------------------
 class LayerKernels:
     """The kernels above for one forward of `n` tokens, launched once per layer through
-    reimpl/triton_launch.py (Triton's lookup on the first layer only), with the per-layer outputs (q, the
-    SiLU*up product) in buffers every layer reuses: the stream runs a layer's reads of them before the
-    next layer's writes. Same arguments, same kernels as the functions above."""
+    reimpl/triton_launch.py (Triton's lookup on the first layer only), and the layer's matmuls; every
+    per-layer output lives in a buffer all layers reuse (the stream runs a layer's reads of a buffer before
+    the next layer's writes), which spares each call an allocation. Same arguments, same kernels as the
+    functions above; the matmuls are F.linear's (x @ W.T) written into those buffers."""
 
     def __init__(self, n: int, hidden: int, intermediate: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  eps: float, device, dtype):
@@ -233,8 +234,18 @@ class LayerKernels:
         self._qk = Launch(_qk_norm_rope_kv_kernel, (n, num_heads + num_kv_heads), NH=num_heads, KVH=num_kv_heads,
                           HD=head_dim, HALF=half, BLOCK_H=triton.next_power_of_2(half))
         self._silu = Launch(_silu_and_mul_kernel, (n, triton.cdiv(intermediate, 1024)), BLOCK=1024)
-        self.q = torch.empty(n, num_heads, head_dim, device=device, dtype=dtype)
-        self.act = torch.empty(n, intermediate, device=device, dtype=dtype)
+
+        def buf(*shape):
+            return torch.empty(*shape, device=device, dtype=dtype)
+
+        self.q, self.act = buf(n, num_heads, head_dim), buf(n, intermediate)
+        self.qkv, self.gate_up = buf(n, (num_heads + 2 * num_kv_heads) * head_dim), buf(n, 2 * intermediate)
+        self.o, self.down = buf(n, hidden), buf(n, hidden)
+
+    @staticmethod
+    def linear(x, weight_t, out):
+        """F.linear(x, W) into `out`, with W.T given (a view made once per model)."""
+        return torch.mm(x, weight_t, out=out)
 
     def add_rms_norm(self, x, residual, weight):
         """fused_add_rms_norm: residual <- x + residual; x <- rms_norm(residual) * weight. Returns (x, residual)."""
