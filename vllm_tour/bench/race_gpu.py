@@ -39,11 +39,7 @@ prefill on); upstream reports what it used.
 Throughput = output tokens / wall time of the whole generate call on both
 sides (the engine's start-up, weight init, graph capture and warm-up excluded).
 
-What upstream (v0.21.0, graphs) does that the mini engine does not, and where
-the mini engine's time goes (race_profile.py; traces/gpu-results/
-20261130-h200-race-reimpl/): a decode step of the mini engine is ~80% attention,
-reading the KV cache at the GPU's copy ceiling (reimpl/triton_attn.py), so what
-is left to win is outside attention:
+What upstream (v0.21.0, graphs) does that the mini engine does not:
 - piecewise CUDA graphs: upstream captures the model around attention for any
   batch, mixed prefill/decode steps included; the mini engine graphs pure-decode
   steps only (9 of the race's 1,032 steps run eager);
@@ -56,6 +52,26 @@ is left to win is outside attention:
   mini engine runs one Triton kernel for every batch shape;
 - sampling: both draw by Gumbel-max; upstream (FlashInfer off) in torch ops over
   fp32 probabilities, the mini engine in one Triton pass over the bf16 logits.
+
+Where the mini engine's time went, and what closed the gap (race_profile.py,
+traces/gpu-results/20261201-h200-v0.21.0-race/):
+- a decode step is ~80% attention, reading the KV cache at the copy ceiling
+  (reimpl/triton_attn.py); with async scheduling the GPU waited for the host
+  1 ms in a whole graphs race (`race_profile --gaps`; 99 ms in a race that
+  also compiled kernels, below);
+- but the first race in a process ran 1.4 s slower than a second one: Triton
+  compiled kernel variants mid-run. It specialises a pointer on 16-byte
+  alignment and an integer on divisibility by 16: the step's inputs were packed
+  end to end into one upload (a part's alignment followed the sizes before it)
+  and the sampler's per-step seed was specialised. Parts now start on 16 bytes
+  and the seed is unspecialised: graphs 20,441 -> ~24,000 tok/s;
+- eager, the host was the bottleneck: 13.7 ms to launch one decode forward
+  (`race_profile --host`), ~23 us per Triton call spent in Triton's argument
+  specialisation and kernel lookup, an allocation per output. Each kernel is now
+  looked up once per forward (reimpl/triton_launch.py) and every layer writes
+  into per-forward buffers: 2.9 ms, eager 10,639 -> ~20,700 tok/s. Upstream
+  launches its eager elementwise kernels as C++ custom ops, its attention
+  through Triton's or FlashAttention's Python entry per layer.
 """
 
 from __future__ import annotations
