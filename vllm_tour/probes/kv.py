@@ -102,14 +102,16 @@ def kv_record(scheduler, step: int, admitted: dict[str, int]) -> dict:
     # the previous record's length and last block is unchanged: its copy is reused.
     append_only = type(manager).__name__ == "FullAttentionManager"
     prev = R.kv_prev_tables
-    live = [(uid, blocks) for uid, blocks in zip(map(user_req_id, manager.req_to_blocks), manager.req_to_blocks.values()) if blocks]
-    if append_only:  # the common decode step changes few tables: one comprehension over the batch finds them
-        same = [(old := prev.get(uid)) is not None and len(blocks) == len(old) and blocks[-1].block_id == old[-1]
-                for uid, blocks in live]
-        tables = {uid: prev[uid] for (uid, _), unchanged in zip(live, same) if unchanged}
-        live = [item for item, unchanged in zip(live, same) if not unchanged]
-    else:
-        tables = {}
+    tables: dict[str, list[int]] = {}  # unchanged tables first, then the others (as in the loop below)
+    live = []  # (user id, blocks) of the tables to read
+    for uid, blocks in zip(map(user_req_id, manager.req_to_blocks), manager.req_to_blocks.values()):
+        if not blocks:
+            continue
+        old = prev.get(uid)
+        if append_only and old is not None and len(blocks) == len(old) and blocks[-1].block_id == old[-1]:
+            tables[uid] = old
+        else:
+            live.append((uid, blocks))
     changed: dict[str, list[int]] = {}
     allocated = {}
     for uid, blocks in live:
