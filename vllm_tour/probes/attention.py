@@ -40,7 +40,7 @@ def _trim_rows(table: np.ndarray) -> list[list[int]]:
 
     Rows are padded with 0, upstream's null block, which no request owns.
     """
-    if len(table) <= FEW_ROWS:
+    if len(table) <= FEW_ROWS or table.size == 0:
         rows = table.tolist()
         for row in rows:
             while row and row[-1] == 0:
