@@ -114,6 +114,7 @@ def kv_record(scheduler, step: int, admitted: dict[str, int]) -> dict:
             live.append((uid, blocks))
     changed: dict[str, list[int]] = {}
     allocated = {}
+    fresh = 0  # tables not in the previous record (counted once per request, even if user ids repeat)
     for uid, blocks in live:
         old = prev.get(uid)
         ids = tables[uid] = [b.block_id for b in blocks]
@@ -121,6 +122,7 @@ def kv_record(scheduler, step: int, admitted: dict[str, int]) -> dict:
             continue
         changed[uid] = ids
         if old is None:  # new, or resumed after preemption: all but the reused blocks are new
+            fresh += 1
             hit = admitted.get(uid, 0)
             reused = ids[: -(-hit // scheduler.block_size)] if hit else ()
             new = [b for b in ids if b not in reused]
@@ -131,7 +133,10 @@ def kv_record(scheduler, step: int, admitted: dict[str, int]) -> dict:
             new = [b for b in ids if b not in seen]
         if new:
             allocated[uid] = new
-    changed.update((uid, []) for uid in prev.keys() - tables.keys())  # released their blocks
+    # At least len(tables) - fresh of the previous record's tables are here again; when that is all of
+    # them (no request finished or was preempted since), the set difference over the batch is skipped.
+    if len(prev) > len(tables) - fresh:
+        changed.update((uid, []) for uid in prev.keys() - tables.keys())  # released their blocks
     since, R.kv_prev_step = R.kv_prev_step, step
     R.kv_prev_tables = tables
     freed, R.kv_pending_freed = R.kv_pending_freed, []
