@@ -103,7 +103,7 @@ def kv_record(scheduler, step: int, admitted: dict[str, int]) -> dict:
     append_only = type(manager).__name__ == "FullAttentionManager"
     prev = R.kv_prev_tables
     tables: dict[str, list[int]] = {}  # unchanged tables first, then the others (as in the loop below)
-    live = []  # (user id, blocks) of the tables to read
+    live = []  # (user id, blocks, previous table or None) of the tables to read
     for uid, blocks in zip(map(user_req_id, manager.req_to_blocks), manager.req_to_blocks.values()):
         if not blocks:
             continue
@@ -111,12 +111,11 @@ def kv_record(scheduler, step: int, admitted: dict[str, int]) -> dict:
         if append_only and old is not None and len(blocks) == len(old) and blocks[-1].block_id == old[-1]:
             tables[uid] = old
         else:
-            live.append((uid, blocks))
+            live.append((uid, blocks, old))
     changed: dict[str, list[int]] = {}
     allocated = {}
     fresh = 0  # tables not in the previous record (counted once per request, even if user ids repeat)
-    for uid, blocks in live:
-        old = prev.get(uid)
+    for uid, blocks, old in live:
         ids = tables[uid] = [b.block_id for b in blocks]
         if ids == old:
             continue
