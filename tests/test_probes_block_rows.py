@@ -35,6 +35,8 @@ def test_trim_rows_gives_the_plain_trim_for_few_and_many_rows():
             table[1, 0] = 0  # the null block inside a row stays, only trailing ones go
         assert attention._trim_rows(table) == _trimmed(table), num_reqs
         assert attention._trim_rows(table[:, :0]) == [[]] * num_reqs  # no used column at all
+        for rows in (list(range(0, num_reqs, 2)), list(range(1, num_reqs, 5))):  # listed rows, few or many
+            assert attention._trim_rows(table, rows) == [_trimmed(table)[i] for i in rows], (num_reqs, rows)
 
 
 def test_used_width_is_the_last_column_holding_a_block():

@@ -35,21 +35,25 @@ def _np(t):
 FEW_ROWS = 8  # a decode step's changed rows: below this, numpy's cost per call exceeds the Python loop's
 
 
-def _trim_rows(table: np.ndarray) -> list[list[int]]:
-    """Block-table rows without their trailing zeros.
+def _trim_rows(table: np.ndarray, rows: list[int] | None = None) -> list[list[int]]:
+    """Block-table rows (the listed ones, ascending, else all) without their trailing zeros.
 
     Rows are padded with 0, upstream's null block, which no request owns.
     """
-    if len(table) <= FEW_ROWS or table.size == 0:
-        rows = table.tolist()
-        for row in rows:
+    if rows is None:
+        rows = range(len(table))
+    if len(rows) <= FEW_ROWS or table.size == 0:  # row by row: no fancy indexing or per-call numpy costs
+        trimmed = [table[i].tolist() for i in rows]
+        for row in trimmed:
             while row and row[-1] == 0:
                 row.pop()
-        return rows
+        return trimmed
+    if len(rows) < len(table):
+        table = table[rows]
     nonzero = table != 0
     widths = np.where(np.logical_or.reduce(nonzero, axis=1), table.shape[1] - nonzero[:, ::-1].argmax(axis=1), 0)
-    rows = table[:, : int(np.maximum.reduce(widths))].tolist()  # convert only the used columns
-    return list(map(operator.getitem, rows, map(slice, widths.tolist())))  # row[:w], without a Python loop
+    trimmed = table[:, : int(np.maximum.reduce(widths))].tolist()  # convert only the used columns
+    return list(map(operator.getitem, trimmed, map(slice, widths.tolist())))  # row[:w], without a Python loop
 
 
 def _used_width(table: np.ndarray) -> int:
@@ -79,7 +83,7 @@ def _block_rows(table: np.ndarray) -> dict:
     # ufunc and method calls, not np.any / np.flatnonzero: their Python wrappers cost more than the work here
     rows = np.logical_or.reduce(table[:n, : old.shape[1]] != old[:n], axis=1).nonzero()[0].tolist()
     rows.extend(range(n, len(table)))
-    return {"block_table": _trim_rows(table[rows, :width]) if rows else [], "block_table_since": since, "block_table_rows": rows}
+    return {"block_table": _trim_rows(table[:, :width], rows), "block_table_since": since, "block_table_rows": rows}
 
 
 def _host_tables(md, pending: dict | None):
