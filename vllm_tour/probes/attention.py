@@ -58,8 +58,8 @@ def _trim_rows(table: np.ndarray, rows: list[int] | None = None) -> list[list[in
 
 def _used_width(table: np.ndarray) -> int:
     """How many leading columns of the table hold a block in some row: past them every row is
-    padding. One pass over the table; every later step works on the used columns only (a 4096-token
-    model with 16-token blocks has 256 columns, of which a batch of short requests uses a few)."""
+    padding. One pass over the table; the copy, the comparison and the trim then read these columns
+    only (a 4096-token model with 16-token blocks has 256 columns, a batch of short requests uses a few)."""
     cols = np.bitwise_or.reduce(table, axis=0).nonzero()[0]
     return int(cols[-1]) + 1 if len(cols) else 0
 
