@@ -32,19 +32,36 @@ def _np(t):
     return t.numpy() if t.is_cpu else t.cpu().numpy()
 
 
-def _trim_rows(table: np.ndarray) -> list[list[int]]:
-    """Block-table rows without their trailing zeros.
+FEW_ROWS = 8  # a decode step's changed rows: below this, numpy's cost per call exceeds the Python loop's
 
-    Rows are padded with 0, upstream's null block, which no request owns. Done
-    in numpy: this runs every step over max_num_reqs x max_blocks entries.
+
+def _trim_rows(table: np.ndarray, rows: list[int] | None = None) -> list[list[int]]:
+    """Block-table rows (the listed ones, ascending, else all) without their trailing zeros.
+
+    Rows are padded with 0, upstream's null block, which no request owns.
     """
-    bt = table
-    if bt.size == 0:
-        return [[] for _ in range(bt.shape[0])]
-    nonzero = bt != 0
-    widths = np.where(nonzero.any(axis=1), bt.shape[1] - np.argmax(nonzero[:, ::-1], axis=1), 0)
-    rows = bt[:, : int(widths.max())].tolist()  # convert only the used columns
-    return list(map(operator.getitem, rows, map(slice, widths.tolist())))  # row[:w], without a Python loop
+    if rows is None:
+        rows = range(len(table))
+    if len(rows) <= FEW_ROWS or table.size == 0:  # row by row: no fancy indexing or per-call numpy costs
+        trimmed = [table[i].tolist() for i in rows]
+        for row in trimmed:
+            while row and row[-1] == 0:
+                row.pop()
+        return trimmed
+    if len(rows) < len(table):
+        table = table[rows]
+    nonzero = table != 0
+    widths = np.where(np.logical_or.reduce(nonzero, axis=1), table.shape[1] - nonzero[:, ::-1].argmax(axis=1), 0)
+    trimmed = table[:, : int(np.maximum.reduce(widths))].tolist()  # convert only the used columns
+    return list(map(operator.getitem, trimmed, map(slice, widths.tolist())))  # row[:w], without a Python loop
+
+
+def _used_width(table: np.ndarray) -> int:
+    """How many leading columns of the table hold a block in some row: past them every row is
+    padding. One pass over the table; the copy, the comparison and the trim then read these columns
+    only (a 4096-token model with 16-token blocks has 256 columns, a batch of short requests uses a few)."""
+    cols = np.bitwise_or.reduce(table, axis=0).nonzero()[0]
+    return int(cols[-1]) + 1 if len(cols) else 0
 
 
 def _block_rows(table: np.ndarray) -> dict:
@@ -53,16 +70,20 @@ def _block_rows(table: np.ndarray) -> dict:
 
     In decode steps a few rows change per step (a request crossing a block
     boundary, a finished request's row refilled). The table is a view of the
-    engine's buffer, so the comparison base is a copy.
+    engine's buffer, so the comparison base is a copy (of the used columns).
     """
-    prev, R.attn_prev_table = R.attn_prev_table, (R.worker_step, table.copy())
-    if prev is None or prev[1].shape[1:] != table.shape[1:]:
-        return {"block_table": _trim_rows(table), "block_table_since": None, "block_table_rows": None}
-    old = prev[1]
+    width = _used_width(table)
+    prev, R.attn_prev_table = R.attn_prev_table, (R.worker_step, table.shape[1], table[:, :width].copy())
+    if prev is None or prev[1] != table.shape[1]:
+        return {"block_table": _trim_rows(table[:, :width]), "block_table_since": None, "block_table_rows": None}
+    since, _, old = prev
+    if old.shape[1] < width:  # a row grew past the previous used columns: those were 0 there
+        old = np.concatenate([old, np.zeros((len(old), width - old.shape[1]), old.dtype)], axis=1)
     n = min(len(old), len(table))
-    rows = np.flatnonzero((table[:n] != old[:n]).any(axis=1)).tolist()
+    # ufunc and method calls, not np.any / np.flatnonzero: their Python wrappers cost more than the work here
+    rows = np.logical_or.reduce(table[:n, : old.shape[1]] != old[:n], axis=1).nonzero()[0].tolist()
     rows.extend(range(n, len(table)))
-    return {"block_table": _trim_rows(table[rows]) if rows else [], "block_table_since": prev[0], "block_table_rows": rows}
+    return {"block_table": _trim_rows(table[:, :width], rows), "block_table_since": since, "block_table_rows": rows}
 
 
 def _host_tables(md, pending: dict | None):

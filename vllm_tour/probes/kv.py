@@ -102,23 +102,26 @@ def kv_record(scheduler, step: int, admitted: dict[str, int]) -> dict:
     # the previous record's length and last block is unchanged: its copy is reused.
     append_only = type(manager).__name__ == "FullAttentionManager"
     prev = R.kv_prev_tables
-    live = [(uid, blocks) for uid, blocks in zip(map(user_req_id, manager.req_to_blocks), manager.req_to_blocks.values()) if blocks]
-    if append_only:  # the common decode step changes few tables: one comprehension over the batch finds them
-        same = [(old := prev.get(uid)) is not None and len(blocks) == len(old) and blocks[-1].block_id == old[-1]
-                for uid, blocks in live]
-        tables = {uid: prev[uid] for (uid, _), unchanged in zip(live, same) if unchanged}
-        live = [item for item, unchanged in zip(live, same) if not unchanged]
-    else:
-        tables = {}
+    tables: dict[str, list[int]] = {}  # unchanged tables first, then the others (as in the loop below)
+    live = []  # (user id, blocks, previous table or None) of the tables to read
+    for uid, blocks in zip(map(user_req_id, manager.req_to_blocks), manager.req_to_blocks.values()):
+        if not blocks:
+            continue
+        old = prev.get(uid)
+        if append_only and old is not None and len(blocks) == len(old) and blocks[-1].block_id == old[-1]:
+            tables[uid] = old
+        else:
+            live.append((uid, blocks, old))
     changed: dict[str, list[int]] = {}
     allocated = {}
-    for uid, blocks in live:
-        old = prev.get(uid)
+    fresh = 0  # tables not in the previous record (counted once per request, even if user ids repeat)
+    for uid, blocks, old in live:
         ids = tables[uid] = [b.block_id for b in blocks]
         if ids == old:
             continue
         changed[uid] = ids
         if old is None:  # new, or resumed after preemption: all but the reused blocks are new
+            fresh += 1
             hit = admitted.get(uid, 0)
             reused = ids[: -(-hit // scheduler.block_size)] if hit else ()
             new = [b for b in ids if b not in reused]
@@ -129,7 +132,10 @@ def kv_record(scheduler, step: int, admitted: dict[str, int]) -> dict:
             new = [b for b in ids if b not in seen]
         if new:
             allocated[uid] = new
-    changed.update((uid, []) for uid in prev.keys() - tables.keys())  # released their blocks
+    # At least len(tables) - fresh of the previous record's tables are here again; when that is all of
+    # them (no request finished or was preempted since), the set difference over the batch is skipped.
+    if len(prev) > len(tables) - fresh:
+        changed.update((uid, []) for uid in prev.keys() - tables.keys())  # released their blocks
     since, R.kv_prev_step = R.kv_prev_step, step
     R.kv_prev_tables = tables
     freed, R.kv_pending_freed = R.kv_pending_freed, []

@@ -49,11 +49,7 @@ def _execute_before(self, scheduler_output, *a, **kw):
         R.rank = _tp_rank()
     R.worker_step += 1
     R.in_execute = True
-    R.runner_pending = {
-        "step": R.worker_step,
-        "num_tokens": scheduler_output.total_num_scheduled_tokens,
-        "sched": dict(scheduler_output.num_scheduled_tokens),
-    }
+    R.runner_pending = {"step": R.worker_step, "num_tokens": scheduler_output.total_num_scheduled_tokens}
 
 
 def _execute_after(token, result, self, *a, **kw):
@@ -82,7 +78,7 @@ def _flush(output) -> None:
             "kind": "runner",
             "num_tokens": p["num_tokens"],
             "req_ids": user_ids,
-            "num_scheduled_tokens": list(map(p["sched"].__getitem__, req_ids)),
+            "num_scheduled_tokens": p.get("num_scheduled_tokens", []),
             "input_ids": p.get("input_ids") or _EMPTY,
             "positions": p.get("positions") or _EMPTY,
             "query_start_loc": p.get("query_start_loc", []),
@@ -114,6 +110,8 @@ def _prepare_after(result, out, self, scheduler_output, num_scheduled_tokens, *a
     n = scheduler_output.total_num_scheduled_tokens
     num_reqs = self.input_batch.num_reqs
     p["req_ids"] = list(self.input_batch.req_ids[:num_reqs])
+    # upstream's own per-request counts in batch order (scheduler_output.num_scheduled_tokens[i] for i in req_ids)
+    p["num_scheduled_tokens"] = num_scheduled_tokens.tolist()
     p["input_ids"] = int_list(_array(self.input_ids.cpu, n))
     if self.positions.is_cpu:  # the CPU runner: every buffer below is a host tensor
         p["positions"] = int_list(self.positions.numpy()[:n])
