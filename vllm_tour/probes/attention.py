@@ -217,9 +217,13 @@ def build_probe(backend: str, target: str, pins: tuple[str, ...] = CUDA_PINS, pl
     """v0.21.0's CUDA builders (and MACA's, which keep their signature):
     build(self, common_prefix_len, common_attn_metadata, fast_build=False)."""
 
+    layout: list[str | None] = []  # the pin profile's, read once: a process runs one pin
+
     def after(token, md, self, common_prefix_len, common_attn_metadata, *a, **kw):
         kw.pop("fast_build", None)
-        _build_after(token, md, self, common_prefix_len, common_attn_metadata, layout=_profile_layout(backend))
+        if not layout:
+            layout.append(_profile_layout(backend))
+        _build_after(token, md, self, common_prefix_len, common_attn_metadata, layout=layout[0])
 
     return Probe(
         name="attention.build",
