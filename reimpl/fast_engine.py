@@ -23,7 +23,11 @@ how a step is *executed*, the way a real engine's model runner does:
 - the elementwise maths of a layer (residual add + RMSNorm, q/k-norm + RoPE +
   the K/V cache write, SiLU * up) in three Triton kernels, `reimpl/fused_ops.py`
   (upstream's fused_add_rms_norm / rotary_embedding / silu_and_mul custom ops):
-  9 kernels per layer instead of ~61 (on the CPU the torch ops stay);
+  9 kernels per layer instead of ~61 (on the CPU the torch ops stay); in eager
+  steps the host is what limits, so each Triton kernel is looked up once per
+  forward, not once per layer (reimpl/triton_launch.py), and every layer
+  writes into per-forward buffers (fused_ops.LayerKernels): the host's time to
+  launch a decode forward went from 13.7 to 2.9 ms on the H200 machine;
 - logits only for the rows that sample (upstream `logits_indices`), sampling
   batched on the device;
 - async scheduling (`EngineConfig.async_scheduling`, reimpl/async_scheduler.py):
