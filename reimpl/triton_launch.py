@@ -9,7 +9,7 @@ Why: `kernel[grid](*args)` binds and specialises every argument (is an integer
 1 or divisible by 16, is a pointer 16-byte aligned), builds a cache key and
 looks the compiled kernel up before it launches. On the H200 machine's CPU
 that is ~23 us of host time per call against ~8 us for the launch itself
-(scratch measurement, reported in vllm_tour/bench/race_profile.py --host). An
+(`python -m vllm_tour.bench.eager_launch`). An
 eager decode forward launches each kernel once per layer, 28 times, with
 arguments of the same kinds: the same integers and constexprs, tensors of the
 same dtypes, every one freshly allocated and so 16-byte aligned. The first

@@ -141,6 +141,29 @@ def case_attention_plans(dt):
             "second_forward_same": {"ok": bool(torch.equal(hidden[0], hidden[1]))}}
 
 
+def case_bench_reference(dt):
+    """vllm_tour/bench/eager_launch.py's reference forward (Triton's own launch path, F.linear) and the fused
+    forward with the Triton attention compute the same: the bench's bitwise comparison on the GPU is between
+    two writings of one computation."""
+    if dt != torch.float32:
+        return {}
+    from reimpl.fast_engine import FastQwen3, default_attn_fn
+    from vllm_tour.bench.eager_launch import reference_forward
+
+    cfg = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+           "hidden_size": 32, "intermediate_size": 48, "vocab_size": 64, "rms_norm_eps": 1e-6,
+           "max_position_embeddings": 64, "tie_word_embeddings": True}
+    m = FastQwen3.random(cfg, device="cpu", dtype=dt, seed=0, fused=True)
+    ids, pos = torch.tensor([3, 9, 1, 4, 7]), torch.tensor([0, 1, 2, 3, 4])
+    bt, slots = torch.tensor([[1, 2]], dtype=torch.int32), torch.tensor([4, 5, 6, 7, 8])
+    cu, sl = torch.tensor([0, 5], dtype=torch.int32), torch.tensor([5], dtype=torch.int32)
+    fast, ref = m.new_kv_caches(4, 4), m.new_kv_caches(4, 4)
+    h_fast = m.forward(ids, pos, slots, bt, cu, sl, 5, fast, default_attn_fn(torch.device("cuda")))
+    h_ref = reference_forward(m, ids, pos, slots, bt, cu, sl, 5, ref)
+    same = torch.equal(h_fast, h_ref) and all(torch.equal(a, c) and torch.equal(b, d) for (a, b), (c, d) in zip(fast, ref))
+    return {"bitwise_equal": {"ok": bool(same)}}
+
+
 def case_sample(dt):
     """Greedy rows (temperature 0): torch.argmax, ties to the lowest id. Temperature rows (fp32 only: the
     noise does not depend on the dtype, and 192 rows are slow in the interpreter): 192 draws from one row
@@ -163,7 +186,7 @@ def case_sample(dt):
 
 CASES = {"add_rms_norm": case_add_rms_norm, "qk_norm_rope_kv": case_qk_norm_rope_kv,
          "silu_and_mul": case_silu_and_mul, "forward": case_forward, "sample": case_sample,
-         "attention_plans": case_attention_plans}
+         "attention_plans": case_attention_plans, "bench_reference": case_bench_reference}
 
 
 def main():

@@ -20,7 +20,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("_fused_ops_worker.py")
-CASES = ["add_rms_norm", "qk_norm_rope_kv", "silu_and_mul", "forward", "sample", "attention_plans"]
+CASES = ["add_rms_norm", "qk_norm_rope_kv", "silu_and_mul", "forward", "sample", "attention_plans", "bench_reference"]
 DTYPES = ["fp32", "fp16", "bf16"]
 
 
