@@ -73,18 +73,31 @@ def workload(n: int, max_tokens: int, seed: int = 0):
     return [([rng.randrange(5, 500) for _ in range(rng.randrange(16, 129))], max_tokens) for _ in range(n)]
 
 
-def run_round(engine, reqs, SamplingParams, tag: str, temperature: float = 0.0) -> tuple[list[float], list[float]]:
-    """Run the workload to completion; (wall seconds, process CPU seconds) per step."""
-    detokenize = not engine.vllm_config.model_config.skip_tokenizer_init  # the GPU recipe has no tokenizer
-    for i, (ids, mt) in enumerate(reqs):
-        params = SamplingParams(max_tokens=mt, temperature=temperature, ignore_eos=True, detokenize=detokenize)
-        engine.add_request(f"{tag}-{i}", {"prompt_token_ids": ids}, params)
+def run_round(engine, reqs, SamplingParams, tag: str, temperature: float = 0.0, probes=None,
+              run_dir: str | None = None) -> tuple[list[float], list[float]]:
+    """Run the workload to completion; (wall seconds, process CPU seconds) per step. With `probes` (resolved
+    probes): installed and recording into `run_dir` for this round only."""
+    from ..probes.base import install, uninstall
+    from ..trace.writer import RECORDER
+
+    if probes is not None:
+        install(probes, RECORDER)
+        RECORDER.activate(run_dir, "", "")
     wall, cpu = [], []
-    while engine.has_unfinished_requests():
-        t0, c0 = time.perf_counter(), time.process_time()
-        engine.step()
-        wall.append(time.perf_counter() - t0)
-        cpu.append(time.process_time() - c0)
+    try:
+        detokenize = not engine.vllm_config.model_config.skip_tokenizer_init  # the GPU recipe has no tokenizer
+        for i, (ids, mt) in enumerate(reqs):
+            params = SamplingParams(max_tokens=mt, temperature=temperature, ignore_eos=True, detokenize=detokenize)
+            engine.add_request(f"{tag}-{i}", {"prompt_token_ids": ids}, params)
+        while engine.has_unfinished_requests():
+            t0, c0 = time.perf_counter(), time.process_time()
+            engine.step()
+            wall.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
+    finally:
+        if probes is not None:
+            RECORDER.deactivate()
+            uninstall(probes)
     return wall, cpu
 
 
@@ -162,9 +175,7 @@ def main() -> None:
     from vllm.v1.engine.llm_engine import LLMEngine
 
     from ..pins import active_pin_tag
-    from ..probes.base import install, uninstall
     from ..probes.install import PIN_ENV, check_probes
-    from ..trace.writer import RECORDER
 
     tag = active_pin_tag()
     os.environ[PIN_ENV] = tag  # the probes look up per-pin facts (e.g. the CUDA backends' KV layouts) by it
@@ -178,11 +189,7 @@ def main() -> None:
     # The traced side gets a warm-up round of its own: on the H200 the first traced round ran 0.5-1.3 ms per step
     # slower than the later ones in every run (one-time costs, not the probes' cost per step). Reported apart.
     with tempfile.TemporaryDirectory() as tmp:
-        install(resolved, RECORDER)
-        RECORDER.activate(tmp, "", "")
-        first_traced, _ = run_round(engine, reqs, SamplingParams, "warmup-traced", temperature)
-        RECORDER.deactivate()
-        uninstall(resolved)
+        first_traced, _ = run_round(engine, reqs, SamplingParams, "warmup-traced", temperature, resolved, tmp)
     order = (["A", "B", "B", "A"] * rounds)[: 2 * rounds]
     rounds_wall: list[float] = []  # in run order
     wall: dict[str, list[float]] = {"A": [], "B": []}
@@ -190,24 +197,15 @@ def main() -> None:
     traced_steps = steps = 0
     with tempfile.TemporaryDirectory() as tmp:
         for k, side in enumerate(order):
-            if side == "B":
-                install(resolved, RECORDER)
-                RECORDER.activate(tmp, "", "")
-            w, c = run_round(engine, reqs, SamplingParams, f"{side}{k}", temperature)
-            if side == "B":
-                RECORDER.deactivate()
-                uninstall(resolved)
+            w, c = run_round(engine, reqs, SamplingParams, f"{side}{k}", temperature,
+                             resolved if side == "B" else None, tmp)
             wall[side].append(statistics.mean(w))
             rounds_wall.append(wall[side][-1])
             cpu[side].append(statistics.mean(c))
             steps = len(w)
         trace_bytes = sum(os.path.getsize(os.path.join(tmp, f)) for f in os.listdir(tmp))
         for k in range(1 if args.gpu else 2):  # the breakdown: probes with timed hooks
-            install(timed, RECORDER)
-            RECORDER.activate(tmp, "", "")
-            w, _ = run_round(engine, reqs, SamplingParams, f"T{k}", temperature)
-            RECORDER.deactivate()
-            uninstall(timed)
+            w, _ = run_round(engine, reqs, SamplingParams, f"T{k}", temperature, timed, tmp)
             traced_steps += len(w)
 
     import vllm
