@@ -78,12 +78,17 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, N, eps, HAS_RES: tl.constexpr, B
     tl.store(x_ptr + row * N + cols, (y * w).to(x_ptr.dtype.element_ty), mask=mask)
 
 
+def add_rms_norm_launch(n: int, hidden: int, has_residual: bool = True) -> Launch:
+    """The kernel's launch for n rows of `hidden`: one program per row."""
+    return Launch(_add_rms_norm_kernel, (n,), HAS_RES=has_residual, BLOCK=triton.next_power_of_2(hidden))
+
+
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
     """In place, as upstream's op: residual <- x + residual; x <- rms_norm(residual) * weight.
     x, residual: [n, H], contiguous. Returns (x, residual)."""
     assert x.is_contiguous() and residual.is_contiguous() and x.shape == residual.shape
     n, H = x.shape
-    _add_rms_norm_kernel[(n,)](x, residual, weight, H, eps, HAS_RES=True, BLOCK=triton.next_power_of_2(H))
+    add_rms_norm_launch(n, H)(x, residual, weight, H, eps)
     return x, residual
 
 
@@ -91,7 +96,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Out-of-place RMSNorm (the first layer's input norm: nothing to add yet)."""
     out = x.contiguous().clone()
     n, H = out.shape
-    _add_rms_norm_kernel[(n,)](out, out, weight, H, eps, HAS_RES=False, BLOCK=triton.next_power_of_2(H))
+    add_rms_norm_launch(n, H, has_residual=False)(out, out, weight, H, eps)
     return out
 
 
@@ -156,6 +161,13 @@ def _qk_norm_rope_kv_kernel(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, 
                  mask=m)
 
 
+def qk_norm_rope_kv_launch(n: int, num_heads: int, num_kv_heads: int, head_dim: int) -> Launch:
+    """The kernel's launch for n tokens: a program per (token, query or key head)."""
+    half = head_dim // 2
+    return Launch(_qk_norm_rope_kv_kernel, (n, num_heads + num_kv_heads), NH=num_heads, KVH=num_kv_heads,
+                  HD=head_dim, HALF=half, BLOCK_H=triton.next_power_of_2(half))
+
+
 def qk_norm_rope_kv_write(qkv, q_norm_w, k_norm_w, cos_table, sin_table, positions, slot_mapping,
                           k_cache, v_cache, num_heads: int, num_kv_heads: int, head_dim: int, eps: float):
     """qkv: [n, (NH + 2 KVH) * HD] (the fused projection's output); cos/sin tables: [max_pos, HD/2] in the
@@ -166,11 +178,9 @@ def qk_norm_rope_kv_write(qkv, q_norm_w, k_norm_w, cos_table, sin_table, positio
     assert qkv.stride(1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
     assert cos_table.is_contiguous() and sin_table.is_contiguous() and head_dim % 2 == 0
     q = torch.empty(n, num_heads, head_dim, device=qkv.device, dtype=qkv.dtype)
-    half = head_dim // 2
-    _qk_norm_rope_kv_kernel[(n, num_heads + num_kv_heads)](
+    qk_norm_rope_kv_launch(n, num_heads, num_kv_heads, head_dim)(
         qkv, q_norm_w, k_norm_w, cos_table, sin_table, positions, slot_mapping, q, k_cache, v_cache,
-        qkv.stride(0), eps, NH=num_heads, KVH=num_kv_heads, HD=head_dim, HALF=half,
-        BLOCK_H=triton.next_power_of_2(half))
+        qkv.stride(0), eps)
     return q
 
 
@@ -202,13 +212,19 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, I, BLOCK: tl.constexpr):
     tl.store(out_ptr + row * I + cols, (s * u).to(out_ptr.dtype.element_ty), mask=m)
 
 
+SILU_BLOCK = 1024  # columns per program
+
+
+def silu_and_mul_launch(n: int, intermediate: int) -> Launch:
+    return Launch(_silu_and_mul_kernel, (n, triton.cdiv(intermediate, SILU_BLOCK)), BLOCK=SILU_BLOCK)
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     assert x.is_contiguous()
     n, two_i = x.shape
     I = two_i // 2
     out = torch.empty(n, I, device=x.device, dtype=x.dtype)
-    BLOCK = 1024
-    _silu_and_mul_kernel[(n, triton.cdiv(I, BLOCK))](x, out, I, BLOCK=BLOCK)
+    silu_and_mul_launch(n, I)(x, out, I)
     return out
 
 
@@ -220,20 +236,17 @@ def silu_and_mul_ref(x):
 # The three kernels for every layer of one forward
 # --------------------------------------------------------------------------
 class LayerKernels:
-    """The kernels above for one forward of `n` tokens, launched once per layer through
-    reimpl/triton_launch.py (Triton's lookup on the first layer only), and the layer's matmuls; every
-    per-layer output lives in a buffer all layers reuse (the stream runs a layer's reads of a buffer before
-    the next layer's writes), which spares each call an allocation. Same arguments, same kernels as the
-    functions above; the matmuls are F.linear's (x @ W.T) written into those buffers."""
+    """The kernels above for one forward of `n` tokens: the launches the functions above build, kept for
+    every layer (reimpl/triton_launch.py: Triton's lookup on the first layer only), and the layer's matmuls
+    (F.linear's x @ W.T). Every per-layer output lives in a buffer all layers reuse (the stream runs a
+    layer's reads of a buffer before the next layer's writes), which spares each call an allocation."""
 
     def __init__(self, n: int, hidden: int, intermediate: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  eps: float, device, dtype):
         self.hidden, self.intermediate, self.eps = hidden, intermediate, eps
-        half = head_dim // 2
-        self._add_norm = Launch(_add_rms_norm_kernel, (n,), HAS_RES=True, BLOCK=triton.next_power_of_2(hidden))
-        self._qk = Launch(_qk_norm_rope_kv_kernel, (n, num_heads + num_kv_heads), NH=num_heads, KVH=num_kv_heads,
-                          HD=head_dim, HALF=half, BLOCK_H=triton.next_power_of_2(half))
-        self._silu = Launch(_silu_and_mul_kernel, (n, triton.cdiv(intermediate, 1024)), BLOCK=1024)
+        self._add_norm = add_rms_norm_launch(n, hidden)
+        self._qk = qk_norm_rope_kv_launch(n, num_heads, num_kv_heads, head_dim)
+        self._silu = silu_and_mul_launch(n, intermediate)
 
         def buf(*shape):
             return torch.empty(*shape, device=device, dtype=dtype)

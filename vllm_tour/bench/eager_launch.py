@@ -25,8 +25,9 @@ from pathlib import Path
 
 
 def reference_forward(model, input_ids, positions, slot_mapping, block_table, cu, seq_lens, max_q, caches):
-    """The fused forward through Triton's own launch path and F.linear (reimpl/fused_ops.py's functions,
-    triton_attn.paged_attention once per layer)."""
+    """The fused forward through Triton's own launch path and F.linear (reimpl/fused_ops.py's functions and
+    triton_attn.paged_attention, once per layer: each builds a one-shot Launch, whose only call goes
+    through `kernel[grid]`)."""
     import torch.nn.functional as F
 
     from reimpl import fused_ops as fo
