@@ -55,4 +55,8 @@ install.PROBES[:] = [dataclasses.replace(q, after=prepare_after) if q is runner.
                      for q in install.PROBES]
 sys.argv = ["overhead", "--rounds", "1", "--requests", "12", "--max-tokens", "6"]
 overhead.main()
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner  # noqa: E402
+
+# every traced round of the bench (its warm-up, the B rounds, the timed ones) takes its probes off again
+seen["probes_left_installed"] = hasattr(GPUModelRunner.execute_model, "__vllm_tour_probe__")
 print(json.dumps(seen))
