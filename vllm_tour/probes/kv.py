@@ -12,6 +12,9 @@ the preemption probe in `scheduler.py`).
 
 from __future__ import annotations
 
+from itertools import compress
+from operator import ne
+
 from ..trace.writer import RECORDER as R
 from ..trace.writer import user_req_id
 from .base import Probe
@@ -33,6 +36,7 @@ def _block_ids(blocks) -> list[int]:
 
 
 def _free_before(self, request, *a, **kw):
+    R.kv_freed_since = True  # kv_record: the next record reads every table
     # Copy: upstream may clear these lists while freeing.
     return [list(g) for g in self.coordinator.get_blocks(request.request_id)]
 
@@ -102,16 +106,28 @@ def kv_record(scheduler, step: int, admitted: dict[str, int]) -> dict:
     # the previous record's length and last block is unchanged: its copy is reused.
     append_only = type(manager).__name__ == "FullAttentionManager"
     prev = R.kv_prev_tables
-    tables: dict[str, list[int]] = {}  # unchanged tables first, then the others (as in the loop below)
-    live = []  # (user id, blocks, previous table or None) of the tables to read
-    for uid, blocks in zip(map(user_req_id, manager.req_to_blocks), manager.req_to_blocks.values()):
-        if not blocks:
-            continue
-        old = prev.get(uid)
-        if append_only and old is not None and len(blocks) == len(old) and blocks[-1].block_id == old[-1]:
-            tables[uid] = old
-        else:
-            live.append((uid, blocks, old))
+    by_request = manager.req_to_blocks
+    keys, lists = list(by_request), list(by_request.values())
+    sizes = list(map(len, lists))
+    if append_only and not R.kv_freed_since and keys == R.kv_prev_keys:
+        # The same requests as at the previous record, none freed since (a freed request's list is dropped, and
+        # a new one goes to the end of the dict): every list is the one seen then, and only those that grew
+        # changed. Found in C over the batch; the previous record's tables are updated in place.
+        tables = prev
+        grown = [(user_req_id(keys[i]), lists[i]) for i in compress(range(len(keys)), map(ne, sizes, R.kv_prev_sizes))]
+        live = [(uid, blocks, prev.get(uid)) for uid, blocks in grown]
+    else:
+        tables = {}  # unchanged tables first, then the others (as in the loop below)
+        live = []  # (user id, blocks, previous table or None) of the tables to read
+        for uid, blocks in zip(map(user_req_id, keys), lists):
+            if not blocks:
+                continue
+            old = prev.get(uid)
+            if append_only and old is not None and len(blocks) == len(old) and blocks[-1].block_id == old[-1]:
+                tables[uid] = old
+            else:
+                live.append((uid, blocks, old))
+    R.kv_prev_keys, R.kv_prev_sizes, R.kv_freed_since = keys, sizes, False
     changed: dict[str, list[int]] = {}
     allocated = {}
     fresh = 0  # tables not in the previous record (counted once per request, even if user ids repeat)

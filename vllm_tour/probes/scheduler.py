@@ -26,8 +26,7 @@ def _schedule_before(self, *a, **kw):
     R.sched_step += 1
     R.preempted = []
     running, waiting = self.get_request_counts()
-    running_ids = {r.request_id for r in self.running}
-    return time.perf_counter(), running, waiting, running_ids
+    return time.perf_counter(), running, waiting
 
 
 _prompt_len = operator.attrgetter("num_prompt_tokens")
@@ -36,14 +35,14 @@ _prompt_len = operator.attrgetter("num_prompt_tokens")
 _outputs = operator.attrgetter("_output_token_ids")
 
 
-def _scheduled(self, out, running_before: set[str]) -> tuple[dict, dict[str, int]]:
+def _scheduled(self, out) -> tuple[dict, dict[str, int]]:
     """The step's schema.ScheduledRequest rows as columns (new requests first; see
     schema.SchedulerRecord.scheduled), and user id -> computed tokens of the requests
     admitted this step (new or resumed: their prefix-cache hits).
 
     Written for speed (it runs for every request every step): column by column,
     with C-level map() where a column is one lookup per request; only the requests
-    that were not running before the step get a closer look (their kind).
+    admitted this step get a closer look (their kind).
     """
     cached = out.scheduled_cached_reqs
     new_reqs = out.scheduled_new_reqs
@@ -57,15 +56,18 @@ def _scheduled(self, out, running_before: set[str]) -> tuple[dict, dict[str, int
     uids = list(map(user_req_id, rids))
     kinds = ["running"] * len(rids)
     admitted = {}
-    resumed_ids = getattr(cached, "resumed_req_ids", ())
-    if resumed_ids or not running_before.issuperset(rids):
-        n_new = len(new_reqs)
-        for i, (rid, req) in enumerate(zip(rids, reqs)):
-            if (i >= n_new and rid in resumed_ids) or (rid not in running_before and req.num_preemptions > 0):
+    # Every pin builds the cached requests from the ones it scheduled out of its running queue, then the
+    # preempted ones it resumed (named in resumed_req_ids); a request from the waiting queue that is not
+    # a resumed one is new, or resumed when it was preempted before (the v2 model runner sends those as new).
+    resumed_ids = cached.resumed_req_ids
+    n_new = len(new_reqs)
+    for i in range(n_new):
+        kinds[i] = "resumed" if reqs[i].num_preemptions > 0 else "new"
+        admitted[uids[i]] = computed[i]
+    if resumed_ids:
+        for i in range(n_new, len(rids)):
+            if rids[i] in resumed_ids:
                 kinds[i] = "resumed"
-            elif rid not in running_before:
-                kinds[i] = "new"
-            if kinds[i] != "running":
                 admitted[uids[i]] = computed[i]
     n_sched = out.num_scheduled_tokens
     columns = {
@@ -81,10 +83,10 @@ def _scheduled(self, out, running_before: set[str]) -> tuple[dict, dict[str, int
 
 
 def _schedule_after(token, out, self, *a, **kw):
-    t0, running_before, waiting_before, running_ids = token
+    t0, running_before, waiting_before = token
     step = R.sched_step
     running_after, waiting_after = self.get_request_counts()
-    scheduled, admitted = _scheduled(self, out, running_ids)
+    scheduled, admitted = _scheduled(self, out)
     R.write(  # a schema.SchedulerRecord, as a dict (see Recorder.write)
         {
             "step": step,

@@ -76,6 +76,9 @@ class Recorder:
         self.kv_pending_freed: list[int] = []
         self.kv_prev_tables: dict[str, list[int]] = {}  # block tables of the previous KV record
         self.kv_prev_step: int | None = None  # its step: the next record's tables are a delta against it
+        self.kv_prev_keys: list[str] | None = None  # the KV manager's request ids then, in its order
+        self.kv_prev_sizes: list[int] = []  # and the length of each one's block list
+        self.kv_freed_since = False  # a request's blocks were freed since then
         self.kv_pending_evicted: list[int] = []
         self.preempted: list = []
         self.runner_pending = None
