@@ -41,7 +41,8 @@ def build_after(token, md, self, common_prefix_len, cm, *a, **kw):
     if not R.in_execute or p is None or "host" not in p:
         return
     n, num_reqs = md.num_actual_tokens, cm.num_reqs
-    slots, table, seq_lens = attention._host_view(p["host"], cm, num_reqs, n)
+    slots, table, zero_rows, seq_lens = attention._host_view(p["host"], cm, num_reqs, n)
+    table = np.concatenate([table, np.zeros((zero_rows, table.shape[1]), table.dtype)])
     for name, host, held in (("slot_mapping", slots, md.slot_mapping.numpy()[:n]),
                              ("block_table", table, md.block_table.numpy()[:num_reqs]),
                              ("seq_lens", seq_lens, md.seq_lens.numpy()[:num_reqs])):

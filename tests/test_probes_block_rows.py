@@ -1,7 +1,8 @@
-"""The attention probe's block-table fields, computed on the used columns only and trimmed in
-Python for a few rows, numpy for many: each record names exactly the rows that differ from the
-previous record's, trimmed of their trailing zeros (the null block), whatever the used width does
-between steps (a long request arriving past the old width, leaving, rows added and dropped)."""
+"""The attention probe's block-table fields, compared with the previous record's rows (a copy kept
+and updated in place) and trimmed row by row for a few rows, with numpy for many: each record names
+exactly the rows that differ from the previous record's, trimmed of their trailing zeros (the null
+block), whatever the used width does between steps (a long request arriving past the old width,
+leaving, rows added and dropped) and with CUDA-graph padding rows (0 on the GPU) coming and going."""
 
 from __future__ import annotations
 
@@ -39,13 +40,15 @@ def test_trim_rows_gives_the_plain_trim_for_few_and_many_rows():
             assert attention._trim_rows(table, rows) == [_trimmed(table)[i] for i in rows], (num_reqs, rows)
 
 
-def test_used_width_is_the_last_column_holding_a_block():
-    rng = np.random.default_rng(1)
-    table = _table(_rows(rng, rng.integers(0, 9, 12)))
-    table[5, 30] = 7  # a block past a gap of empty columns counts
-    assert attention._used_width(table) == 31
-    assert attention._used_width(np.zeros((4, 64), np.int32)) == 0
-    assert attention._used_width(np.zeros((0, 64), np.int32)) == 0
+def test_trim_rows_cuts_inside_the_last_block_whatever_its_bytes():
+    """Row by row, the trim reads a row's bytes: blocks whose low bytes are 0 (256, 65536) and wide int64
+    tables are cut after their last non-zero block all the same."""
+    rng = np.random.default_rng(3)
+    for dtype in (np.int32, np.int64):
+        rows = [[256, 0, 65536], [7], [], [1 << 24, 512, 0, 0, 3], list(rng.integers(1, 1 << 30, 200))]
+        table = _table(rows, columns=256).astype(dtype)
+        assert attention._trim_rows(table, list(range(len(rows)))) == _trimmed(table)
+        assert attention._trim_rows(table) == _trimmed(table)
 
 
 def test_block_rows_name_exactly_the_changed_rows_as_the_width_grows_and_shrinks():
@@ -82,5 +85,39 @@ def test_block_rows_name_exactly_the_changed_rows_as_the_width_grows_and_shrinks
                 assert fields["block_table_rows"] == changed, step
                 assert fields["block_table"] == [rows[i] for i in changed], step
             prev = rows
+    finally:
+        R.attn_prev_table, R.worker_step = saved
+
+
+def test_block_rows_with_padding_rows_name_exactly_the_changed_rows():
+    """A CUDA graph's padding rows are passed as a count (they are 0 on the GPU, stale on the host): the
+    record is the one the padded table would give, as the batch and its padding grow and shrink."""
+    rng = np.random.default_rng(4)
+    rows = _rows(rng, rng.integers(1, 6, 12))
+    saved = R.attn_prev_table, R.worker_step
+    try:
+        R.attn_prev_table, prev = None, None
+        for step in range(1, 40):
+            for row in rows:
+                if rng.random() < 0.3:
+                    row.append(int(rng.integers(1, 1000)))
+            if step in (6, 20):
+                rows = rows[: len(rows) - 5]  # requests finish: the graph pads the batch up to its size
+            if step in (12, 30):
+                rows += _rows(rng, [3, 1, 4])  # requests arrive on rows that were padding
+            padding = int(rng.integers(0, 6)) if step % 3 else 0
+            real = _table(rows)
+            stale = np.vstack([real, rng.integers(1, 1000, (padding, real.shape[1])).astype(real.dtype)])
+            R.worker_step = step
+            fields = attention._block_rows(stale[: len(rows)], padding)  # only the batch's rows are read
+            padded = _trimmed(real) + [[]] * padding
+            if prev is None:
+                assert fields == {"block_table": padded, "block_table_since": None, "block_table_rows": None}
+            else:
+                changed = [i for i, row in enumerate(padded) if i >= len(prev) or row != prev[i]]
+                assert fields["block_table_since"] == step - 1
+                assert fields["block_table_rows"] == changed, step
+                assert fields["block_table"] == [padded[i] for i in changed], step
+            prev = padded
     finally:
         R.attn_prev_table, R.worker_step = saved

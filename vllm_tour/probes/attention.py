@@ -10,6 +10,7 @@ sequence lengths, query offsets, block-table rows and the slot mapping.
 from __future__ import annotations
 
 import operator
+from bisect import bisect_left
 
 import numpy as np
 
@@ -32,7 +33,7 @@ def _np(t):
     return t.numpy() if t.is_cpu else t.cpu().numpy()
 
 
-FEW_ROWS = 8  # a decode step's changed rows: below this, numpy's cost per call exceeds the Python loop's
+FEW_ROWS = 32  # a decode step's changed rows: up to this many, row by row costs less than numpy's calls over them
 
 
 def _trim_rows(table: np.ndarray, rows: list[int] | None = None) -> list[list[int]]:
@@ -43,11 +44,10 @@ def _trim_rows(table: np.ndarray, rows: list[int] | None = None) -> list[list[in
     if rows is None:
         rows = range(len(table))
     if len(rows) <= FEW_ROWS or table.size == 0:  # row by row: no fancy indexing or per-call numpy costs
-        trimmed = [table[i].tolist() for i in rows]
-        for row in trimmed:
-            while row and row[-1] == 0:
-                row.pop()
-        return trimmed
+        # A row's bytes without their trailing zero bytes end inside its last non-zero block (little or big
+        # endian alike: that block has a non-zero byte, all later blocks are zero): converted up to there only.
+        size = table.itemsize
+        return [row[: -(-len(row.tobytes().rstrip(b"\0")) // size)].tolist() for row in map(table.__getitem__, rows)]
     if len(rows) < len(table):
         table = table[rows]
     nonzero = table != 0
@@ -56,34 +56,43 @@ def _trim_rows(table: np.ndarray, rows: list[int] | None = None) -> list[list[in
     return list(map(operator.getitem, trimmed, map(slice, widths.tolist())))  # row[:w], without a Python loop
 
 
-def _used_width(table: np.ndarray) -> int:
-    """How many leading columns of the table hold a block in some row: past them every row is
-    padding. One pass over the table; the copy, the comparison and the trim then read these columns
-    only (a 4096-token model with 16-token blocks has 256 columns, a batch of short requests uses a few)."""
-    cols = np.bitwise_or.reduce(table, axis=0).nonzero()[0]
-    return int(cols[-1]) + 1 if len(cols) else 0
-
-
-def _block_rows(table: np.ndarray) -> dict:
+def _block_rows(table: np.ndarray, zero_rows: int = 0) -> dict:
     """The block-table fields of this step's attention record: the rows that differ
     from the previous record's (see schema.AttentionRecord.block_table_since).
 
-    In decode steps a few rows change per step (a request crossing a block
-    boundary, a finished request's row refilled). The table is a view of the
-    engine's buffer, so the comparison base is a copy (of the used columns).
+    `table` holds the batch's rows; `zero_rows` more rows of 0 follow it (a CUDA graph's
+    padding rows, zero on the GPU and stale on the host: never copied to be zeroed).
+    In decode steps a few rows change per step (a request crossing a block boundary,
+    a finished request's row refilled). The table is a view of the engine's buffer:
+    the comparison base is a copy of the previous record's rows, kept across steps and
+    updated in place on the changed rows (one pass over the table per step, no copy of it).
     """
-    width = _used_width(table)
-    prev, R.attn_prev_table = R.attn_prev_table, (R.worker_step, table.shape[1], table[:, :width].copy())
-    if prev is None or prev[1] != table.shape[1]:
-        return {"block_table": _trim_rows(table[:, :width]), "block_table_since": None, "block_table_rows": None}
-    since, _, old = prev
-    if old.shape[1] < width:  # a row grew past the previous used columns: those were 0 there
-        old = np.concatenate([old, np.zeros((len(old), width - old.shape[1]), old.dtype)], axis=1)
-    n = min(len(old), len(table))
+    real, cols = table.shape
+    num_rows = real + zero_rows
+    prev = R.attn_prev_table
+    if prev is None or prev[1].shape[1] != cols:
+        base = np.zeros((num_rows, cols), table.dtype)
+        base[:real] = table
+        R.attn_prev_table = (R.worker_step, base, num_rows)
+        return {"block_table": _trim_rows(table) + [[] for _ in range(zero_rows)], "block_table_since": None,
+                "block_table_rows": None}
+    since, base, seen = prev
+    n = min(seen, real)
     # ufunc and method calls, not np.any / np.flatnonzero: their Python wrappers cost more than the work here
-    rows = np.logical_or.reduce(table[:n, : old.shape[1]] != old[:n], axis=1).nonzero()[0].tolist()
-    rows.extend(range(n, len(table)))
-    return {"block_table": _trim_rows(table[:, :width], rows), "block_table_since": since, "block_table_rows": rows}
+    rows = np.logical_or.reduce(table[:n] != base[:n], axis=1).nonzero()[0].tolist()
+    if zero_rows and real < seen:  # padding now where the previous record had rows: changed unless those were 0
+        rows += (np.logical_or.reduce(base[real : min(seen, num_rows)] != 0, axis=1).nonzero()[0] + real).tolist()
+    rows.extend(range(seen, num_rows))  # rows the previous record did not have
+    if len(base) < num_rows:
+        base = np.concatenate([base, np.zeros((num_rows - len(base), cols), base.dtype)])
+    cut = bisect_left(rows, real)  # rows[:cut] are the batch's, the rest padding
+    if cut:
+        base[rows[:cut]] = table[rows[:cut]]
+    if cut < len(rows):
+        base[rows[cut:]] = 0
+    R.attn_prev_table = (R.worker_step, base, num_rows)
+    trimmed = _trim_rows(table, rows[:cut]) + [[] for _ in range(len(rows) - cut)]
+    return {"block_table": trimmed, "block_table_since": since, "block_table_rows": rows}
 
 
 def _host_tables(md, pending: dict | None):
@@ -102,21 +111,19 @@ def _host_tables(md, pending: dict | None):
 def _host_view(host, cm, num_reqs: int, n: int):
     """Slot mapping, block-table rows and sequence lengths as v0.21.0 computes them on the GPU
     (block_table._compute_slot_mapping_kernel: block id * block size + offset, PAD_SLOT_ID -1
-    past the scheduled tokens), from the host copies it computes them from. Rows past the
-    batch (CUDA-graph padding) hold the null block 0 on the GPU, stale rows on the host."""
+    past the scheduled tokens), from the host copies it computes them from: (slots, the
+    batch's block-table rows, how many rows of 0 follow them, sequence lengths). Rows past
+    the batch (CUDA-graph padding) hold the null block 0 on the GPU, stale rows on the host."""
     runner, req_indices, positions = host
     bt = runner.input_batch.block_table.block_tables[0]
-    table = bt.block_table.np[:num_reqs]
-    batch = runner.input_batch.num_reqs
-    if num_reqs > batch:
-        table = table.copy()
-        table[batch:] = 0
+    batch = min(runner.input_batch.num_reqs, num_reqs)
+    table = bt.block_table.np[:batch]
     size = bt.block_size
     slots = np.full(n, -1, dtype=np.int64)
     k = len(positions)
     slots[:k] = bt.block_table.np[req_indices, positions // size].astype(np.int64) * size + positions % size
     seq_lens = cm._seq_lens_cpu if getattr(cm, "_seq_lens_cpu", None) is not None else runner.optimistic_seq_lens_cpu
-    return slots, table, seq_lens.numpy()[:num_reqs]
+    return slots, table, num_reqs - batch, seq_lens.numpy()[:num_reqs]
 
 
 def _layers(builder) -> list[dict]:
@@ -149,10 +156,10 @@ def _build_after(token, md, self, common_prefix_len, common_attn_metadata, *a, l
     host = _host_tables(md, R.runner_pending)
     if host is None:
         slots = _np(md.slot_mapping)[:n]
-        table = _np(md.block_table)[:num_reqs]
+        table, zero_rows = _np(md.block_table)[:num_reqs], 0
         seq_lens = _np(md.seq_lens)[:num_reqs]
     else:
-        slots, table, seq_lens = _host_view(host, common_attn_metadata, num_reqs, n)
+        slots, table, zero_rows, seq_lens = _host_view(host, common_attn_metadata, num_reqs, n)
     if R.runner_pending is not None:
         R.runner_pending["slot_mapping"] = int_list(slots)
     if R.capture:
@@ -168,7 +175,7 @@ def _build_after(token, md, self, common_prefix_len, common_attn_metadata, *a, l
             "num_reqs": num_reqs,
             "seq_lens": seq_lens.tolist(),
             "query_lens": (qsl[1:] - qsl[:-1]).tolist(),
-            **_block_rows(table),
+            **_block_rows(table, zero_rows),
             "layers": _layers(self),
             "num_layers": len(self.layer_names),
             "num_kv_heads": getattr(getattr(self, "kv_cache_spec", None), "num_kv_heads", None),

@@ -83,7 +83,7 @@ class Recorder:
         self.preempted: list = []
         self.runner_pending = None
         self.layers_info = None
-        self.attn_prev_table = None  # (step, column count, copy of the used columns of the block table the previous attention record saw)
+        self.attn_prev_table = None  # (step, copy of the block-table rows the previous attention record saw in its first rows, their count)
         self.captures: dict[str, object] = {}
         self.capture_meta: dict[str, dict] = {}
 
