@@ -132,6 +132,13 @@ def kv_record(scheduler, step: int, admitted: dict[str, int]) -> dict:
     allocated = {}
     fresh = 0  # tables not in the previous record (counted once per request, even if user ids repeat)
     for uid, blocks, old in live:
+        k = len(old) if old else 0
+        if append_only and k and len(blocks) > k and blocks[k - 1].block_id == old[-1]:
+            # grown (the common change): only the blocks past the old table are read
+            new = [b.block_id for b in blocks[k:]]
+            changed[uid] = tables[uid] = old + new
+            allocated[uid] = new
+            continue
         ids = tables[uid] = [b.block_id for b in blocks]
         if ids == old:
             continue
