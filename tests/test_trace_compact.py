@@ -83,3 +83,21 @@ def test_the_writer_keeps_no_records_and_a_bounded_id_cache(tmp_path):
     assert rec._pending == [] and len(user_req_id.__self__) <= MAX_CACHED_IDS
     rec.deactivate()
     assert len((tmp_path / next(p.name for p in tmp_path.iterdir())).read_text().splitlines()) == 3 * MAX_CACHED_IDS
+
+
+def test_records_name_the_process_that_wrote_them_after_a_fork():
+    """The writer reads its process id once; a child forked from a traced process (vLLM forks its
+    EngineCore and workers) writes its own id, not its parent's."""
+    import os
+
+    from vllm_tour.trace.writer import RECORDER
+
+    assert RECORDER.proc_dict("worker")["pid"] == os.getpid()
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child reports through the pipe
+        os.write(write, str(RECORDER.proc_dict("engine_core")["pid"]).encode())
+        os._exit(0)
+    os.close(write)
+    os.waitpid(child, 0)
+    assert int(os.read(read, 32)) == child

@@ -27,6 +27,11 @@ FAULT_ENV = "VLLM_TOUR_FAULT"  # a probe name: that probe raises (tests)
 _SUFFIX = re.compile(r"-[0-9a-f]{8}$")
 
 
+# This process's id, read once (getpid() is a system call, four records a step ask for it) and again in a
+# forked child.
+_PID = [os.getpid()]
+os.register_at_fork(after_in_child=lambda: _PID.__setitem__(0, os.getpid()))
+
 MAX_CACHED_IDS = 4096  # more than a batch holds: cleared at most once per ~4,000 new requests
 
 
@@ -122,7 +127,7 @@ class Recorder:
 
     def proc_dict(self, role: str) -> dict:
         """A schema.Proc as a dict (hot paths): one per (role, pid, rank), encoded, never mutated."""
-        key = (role, os.getpid(), self.rank if role == "worker" else 0)
+        key = (role, _PID[0], self.rank if role == "worker" else 0)
         proc = self._procs.get(key)
         if proc is None:
             proc = self._procs[key] = dict(zip(("role", "pid", "rank"), key))
