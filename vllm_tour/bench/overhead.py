@@ -101,22 +101,25 @@ def run_round(engine, reqs, SamplingParams, tag: str, temperature: float = 0.0, 
     return wall, cpu
 
 
+def thread_timed(fn, acc: dict[str, float], label: str):
+    """`fn` with the thread CPU time of each call added to acc[label]."""
+    acc[label] = 0.0
+
+    def timed(*a, **k):
+        t0 = time.thread_time()
+        try:
+            return fn(*a, **k)
+        finally:
+            acc[label] += time.thread_time() - t0
+
+    return timed
+
+
 def timed_probes(resolved, hook_s: dict[str, float]):
     """The same probes with each hook's thread CPU time added to hook_s[name]."""
 
     def timed(name, fn):
-        if fn is None:
-            return None
-        hook_s[name] = 0.0
-
-        def hook(*a, **k):
-            t0 = time.thread_time()
-            try:
-                return fn(*a, **k)
-            finally:
-                hook_s[name] += time.thread_time() - t0
-
-        return hook
+        return None if fn is None else thread_timed(fn, hook_s, name)
 
     out = []
     for r in resolved:

@@ -119,9 +119,12 @@ def _host_view(host, cm, num_reqs: int, n: int):
     batch = min(runner.input_batch.num_reqs, num_reqs)
     table = bt.block_table.np[:batch]
     size = bt.block_size
-    slots = np.full(n, -1, dtype=np.int64)
-    k = len(positions)
-    slots[:k] = bt.block_table.np[req_indices, positions // size].astype(np.int64) * size + positions % size
+    index, offset = np.divmod(positions, size)
+    slots = bt.block_table.np[req_indices, index].astype(np.int64)
+    slots *= size
+    slots += offset
+    if n > len(slots):  # tokens past the scheduled ones (padding): PAD_SLOT_ID
+        slots = np.concatenate([slots, np.full(n - len(slots), -1, np.int64)])
     seq_lens = cm._seq_lens_cpu if getattr(cm, "_seq_lens_cpu", None) is not None else runner.optimistic_seq_lens_cpu
     return slots, table, num_reqs - batch, seq_lens.numpy()[:num_reqs]
 

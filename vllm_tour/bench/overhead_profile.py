@@ -1,0 +1,184 @@
+"""Where the probes' time goes, and how much of it the engine's step hides.
+
+    python -m vllm_tour.bench.overhead_profile [--requests 64]
+    python -m vllm_tour.bench.overhead_profile --gpu --backend FLASH_ATTN [--slack 0,150,300,450]
+
+The overhead bench's engine and workload (vllm_tour/bench/overhead.py), three parts:
+  slack    — untraced rounds with a busy wait of X us of host CPU added to every
+             Scheduler.schedule call, X from --slack, interleaved up then down: the
+             step's wall time against X says how much host time per step the engine
+             hides (with async scheduling on a GPU, the host runs ahead of the device
+             by that much) and what each further us costs;
+  sections — one traced round, each hook and the probe functions below it timed
+             (thread CPU time; a function's time includes the ones it calls);
+  cprofile — one traced round with cProfile on inside the hooks only: time by
+             function, builtins (numpy, encode, write) included. cProfile's own
+             cost inflates Python-level functions; read it for proportions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import dataclasses
+import json
+import os
+import pstats
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from . import overhead
+
+# Probe functions timed in the sections part: (module, function); each wrapped where it is looked up (the
+# module's global), so calls between them are timed too.
+SECTIONS = {
+    "attention": ("_host_tables", "_host_view", "_block_rows", "_trim_rows", "_layers"),
+    "runner": ("int_list", "_device_after", "_values", "_array"),
+    "kv": ("kv_record", "prefix_hits"),
+    "scheduler": ("_scheduled",),
+}
+
+
+def _timed_sections(acc: dict[str, float]) -> list:
+    """Wrap the SECTIONS functions (and the writer's encode and flush); returns what to put back."""
+    import importlib
+
+    from ..trace import writer
+
+    undo = []
+
+    def wrap(owner, name, label):
+        fn = getattr(owner, name)
+        setattr(owner, name, overhead.thread_timed(fn, acc, label))
+        undo.append((owner, name, fn))
+
+    for mod, names in SECTIONS.items():
+        module = importlib.import_module(f"vllm_tour.probes.{mod}")
+        for name in names:
+            wrap(module, name, f"{mod}.{name}")
+    wrap(writer, "_encode", "writer._encode")
+    wrap(writer.Recorder, "flush", "writer.Recorder.flush")
+    return undo
+
+
+def _busy_schedule(extra_us: list[float]):
+    """Scheduler.schedule with a busy wait of extra_us[0] us of thread CPU after it; returns the undo."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    original = Scheduler.schedule
+
+    def schedule(self, *a, **k):
+        out = original(self, *a, **k)
+        t0 = time.thread_time()
+        while (time.thread_time() - t0) * 1e6 < extra_us[0]:
+            pass
+        return out
+
+    Scheduler.schedule = schedule
+    return lambda: setattr(Scheduler, "schedule", original)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=64, help="CPU: requests per round")
+    ap.add_argument("--max-tokens", type=int, default=32, help="CPU: tokens per request")
+    ap.add_argument("--gpu", action="store_true", help="upstream's CUDA engine on the race recipe (Qwen3-0.6B shapes)")
+    ap.add_argument("--backend", choices=("TRITON_ATTN", "FLASH_ATTN"), default="FLASH_ATTN", help="--gpu: the attention backend")
+    ap.add_argument("--eager", action="store_true", help="--gpu: enforce_eager")
+    ap.add_argument("--num-seqs", type=int, default=256, help="--gpu: sequences of the race recipe per round")
+    ap.add_argument("--slack", default="0,150,300,450", help="us of host CPU added per schedule() call, one untraced round each way")
+    ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    args = ap.parse_args()
+
+    from vllm import EngineArgs, SamplingParams
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    from ..pins import active_pin_tag
+    from ..probes.install import PIN_ENV, check_probes
+
+    tag = active_pin_tag()
+    os.environ[PIN_ENV] = tag
+    resolved = [r for r in check_probes(tag, backend=args.backend if args.gpu else None, tp_size=1) if not r.probe.capture_only]
+    engine_args, shapes, reqs, temperature = (overhead.gpu_engine_args if args.gpu else overhead.cpu_engine_args)(EngineArgs, args)
+    engine = LLMEngine.from_engine_args(engine_args)
+    result: dict = {"engine": shapes, "hardware": overhead.hardware(), "pin": tag}
+    print(f"engine: {shapes}", flush=True)
+
+    def round_(tag_, probes=None, run_dir=None):
+        wall, _ = overhead.run_round(engine, reqs, SamplingParams, tag_, temperature, probes, run_dir)
+        return wall
+
+    round_("warmup")
+    extra = [0.0]
+    undo = _busy_schedule(extra)
+    slack_values = [float(x) for x in args.slack.split(",") if x.strip()]
+    by_extra: dict[float, list[float]] = {x: [] for x in slack_values}
+    try:
+        for k, x in enumerate(slack_values + slack_values[::-1]):
+            extra[0] = x
+            by_extra[x].append(statistics.mean(round_(f"slack{k}")) * 1e3)
+    finally:
+        undo()
+    base = statistics.mean(by_extra[slack_values[0]]) if slack_values else None
+    result["slack_ms_per_step"] = {str(x): [round(v, 4) for v in vs] for x, vs in by_extra.items()}
+    print("slack: added us per schedule() -> ms per step (two rounds), ratio to the first")
+    for x, vs in by_extra.items():
+        print(f"  {x:6.0f} us -> {statistics.mean(vs):.3f} ms ({', '.join(f'{v:.3f}' for v in vs)})"
+              + (f"  ratio {statistics.mean(vs) / base:.3f}" if base else ""), flush=True)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        round_("warmup-traced", resolved, tmp)
+        hook_s: dict[str, float] = {}
+        acc: dict[str, float] = {}
+        undo_sections = _timed_sections(acc)
+        try:
+            steps = len(round_("sections", overhead.timed_probes(resolved, hook_s), tmp))
+        finally:
+            for owner, name, fn in reversed(undo_sections):
+                setattr(owner, name, fn)
+        prof = cProfile.Profile()
+
+        def profiled(fn):
+            if fn is None:
+                return None
+
+            def hook(*a, **k):
+                prof.enable()
+                try:
+                    return fn(*a, **k)
+                finally:
+                    prof.disable()
+
+            return hook
+
+        profiled_probes = [dataclasses.replace(r, probe=dataclasses.replace(r.probe, before=profiled(r.probe.before),
+                                                                           after=profiled(r.probe.after))) for r in resolved]
+        psteps = len(round_("cprofile", profiled_probes, tmp))
+    hooks = {k: round(v / steps * 1e6, 1) for k, v in sorted(hook_s.items(), key=lambda kv: -kv[1]) if v}
+    sections = {k: round(v / steps * 1e6, 1) for k, v in sorted(acc.items(), key=lambda kv: -kv[1]) if v}
+    result.update(steps_per_round=steps, hooks_us_per_step=hooks, hooks_total_us_per_step=round(sum(hooks.values()), 1),
+                  sections_us_per_step=sections)
+    print(f"hooks: {sum(hooks.values()):.0f} us per step over {steps} steps")
+    for k, v in hooks.items():
+        print(f"  {k:36s} {v:7.1f}")
+    print("sections (us per step; a function's time includes its callees):")
+    for k, v in sections.items():
+        print(f"  {k:36s} {v:7.1f}")
+    top = sorted(pstats.Stats(prof).stats.items(), key=lambda kv: -kv[1][2])[:40]
+    rows = [(f"{Path(f).name}:{line}({fn})" if line else fn, calls / psteps, tt / psteps * 1e6, ct / psteps * 1e6)
+            for (f, line, fn), (_, calls, tt, ct, _) in top]
+    print(f"cprofile over {psteps} steps (us per step; cProfile's own cost inflates Python-level functions):")
+    print(f"  {'function':58s} {'calls':>6s} {'own':>7s} {'with callees':>12s}")
+    for name, calls, tt, ct in rows:
+        print(f"  {name[:58]:58s} {calls:6.1f} {tt:7.1f} {ct:12.1f}")
+    result["cprofile_us_per_step"] = [{"function": n, "calls": round(c, 1), "own_us": round(t, 1), "with_callees_us": round(w, 1)}
+                                      for n, c, t, w in rows]
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
