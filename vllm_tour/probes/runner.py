@@ -144,8 +144,13 @@ def _device_after(p: dict, runner, out, num_scheduled, num_reqs: int, n: int) ->
         p["seq_lens"] = _values(runner.seq_lens, num_reqs)
         p["logits_indices"] = _values(out[0], None)
         return
-    req_indices = np.repeat(np.arange(num_reqs), num_scheduled)
-    positions = runner.input_batch.num_computed_tokens_cpu[req_indices].astype(np.int64) + runner.query_pos.np[:n]
+    computed = runner.input_batch.num_computed_tokens_cpu
+    if n == num_reqs:  # one token per request (a decode step): token i is request i's, at its computed length
+        req_indices = np.arange(num_reqs)
+        positions = computed[:num_reqs].astype(np.int64)
+    else:
+        req_indices = np.repeat(np.arange(num_reqs), num_scheduled)
+        positions = computed[req_indices].astype(np.int64) + runner.query_pos.np[:n]
     p["positions"] = int_list(positions)
     p["seq_lens"] = runner.optimistic_seq_lens_cpu.numpy()[:num_reqs].tolist()
     if out[1] is None:  # no speculative decoding: upstream's query_start_loc[1:] - 1
