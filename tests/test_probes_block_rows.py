@@ -24,6 +24,19 @@ def _table(rows: list[list[int]], columns: int = 64) -> np.ndarray:
     return table
 
 
+def _check_fields(fields: dict, rows: list[list[int]], prev: list[list[int]] | None, step: int) -> list[list[int]]:
+    """The record's block-table fields name exactly the rows that differ from the previous step's (all of
+    them, in full, at the first step); returns this step's rows."""
+    if prev is None:
+        assert fields == {"block_table": rows, "block_table_since": None, "block_table_rows": None}
+    else:
+        changed = [i for i, row in enumerate(rows) if i >= len(prev) or row != prev[i]]
+        assert fields["block_table_since"] == step - 1
+        assert fields["block_table_rows"] == changed, step
+        assert fields["block_table"] == [rows[i] for i in changed], step
+    return rows
+
+
 def _rows(rng, lengths) -> list[list[int]]:
     return [list(rng.integers(1, 1000, n)) for n in lengths]
 
@@ -75,16 +88,7 @@ def test_block_rows_name_exactly_the_changed_rows_as_the_width_grows_and_shrinks
         R.attn_prev_table, prev = None, None
         for step, table in enumerate(steps, 1):
             R.worker_step = step
-            fields = attention._block_rows(table)
-            rows = _trimmed(table)
-            if prev is None:
-                assert fields == {"block_table": rows, "block_table_since": None, "block_table_rows": None}
-            else:
-                changed = [i for i, row in enumerate(rows) if i >= len(prev) or row != prev[i]]
-                assert fields["block_table_since"] == step - 1
-                assert fields["block_table_rows"] == changed, step
-                assert fields["block_table"] == [rows[i] for i in changed], step
-            prev = rows
+            prev = _check_fields(attention._block_rows(table), _trimmed(table), prev, step)
     finally:
         R.attn_prev_table, R.worker_step = saved
 
@@ -110,14 +114,6 @@ def test_block_rows_with_padding_rows_name_exactly_the_changed_rows():
             stale = np.vstack([real, rng.integers(1, 1000, (padding, real.shape[1])).astype(real.dtype)])
             R.worker_step = step
             fields = attention._block_rows(stale[: len(rows)], padding)  # only the batch's rows are read
-            padded = _trimmed(real) + [[]] * padding
-            if prev is None:
-                assert fields == {"block_table": padded, "block_table_since": None, "block_table_rows": None}
-            else:
-                changed = [i for i, row in enumerate(padded) if i >= len(prev) or row != prev[i]]
-                assert fields["block_table_since"] == step - 1
-                assert fields["block_table_rows"] == changed, step
-                assert fields["block_table"] == [padded[i] for i in changed], step
-            prev = padded
+            prev = _check_fields(fields, _trimmed(real) + [[]] * padding, prev, step)
     finally:
         R.attn_prev_table, R.worker_step = saved

@@ -161,9 +161,8 @@ def hardware() -> dict:
     return hw
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=None, help="rounds per side (default 10; 3 with --gpu)")
+def add_engine_args(ap: argparse.ArgumentParser) -> None:
+    """The engine and workload options (cpu_engine_args, gpu_engine_args), shared with overhead_profile."""
     ap.add_argument("--requests", type=int, default=64, help="CPU: requests per round")
     ap.add_argument("--max-tokens", type=int, default=32, help="CPU: tokens per request")
     ap.add_argument("--gpu", action="store_true", help="upstream's CUDA engine on the race recipe (Qwen3-0.6B shapes)")
@@ -171,6 +170,12 @@ def main() -> None:
     ap.add_argument("--eager", action="store_true", help="--gpu: enforce_eager (no CUDA graphs, no torch.compile)")
     ap.add_argument("--num-seqs", type=int, default=256, help="--gpu: sequences of the race recipe per round")
     ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=None, help="rounds per side (default 10; 3 with --gpu)")
+    add_engine_args(ap)
     args = ap.parse_args()
     rounds = args.rounds or (3 if args.gpu else 10)
 

@@ -82,14 +82,8 @@ def _busy_schedule(extra_us: list[float]):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--requests", type=int, default=64, help="CPU: requests per round")
-    ap.add_argument("--max-tokens", type=int, default=32, help="CPU: tokens per request")
-    ap.add_argument("--gpu", action="store_true", help="upstream's CUDA engine on the race recipe (Qwen3-0.6B shapes)")
-    ap.add_argument("--backend", choices=("TRITON_ATTN", "FLASH_ATTN"), default="FLASH_ATTN", help="--gpu: the attention backend")
-    ap.add_argument("--eager", action="store_true", help="--gpu: enforce_eager")
-    ap.add_argument("--num-seqs", type=int, default=256, help="--gpu: sequences of the race recipe per round")
+    overhead.add_engine_args(ap)
     ap.add_argument("--slack", default="0,150,300,450", help="us of host CPU added per schedule() call, one untraced round each way")
-    ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = ap.parse_args()
 
     from vllm import EngineArgs, SamplingParams
