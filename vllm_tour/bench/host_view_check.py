@@ -66,7 +66,7 @@ def main() -> None:
             if not np.array_equal(mine, device.cpu().numpy()) and len(seen["mismatches"]) < 20:
                 seen["mismatches"].append(f"step {R.worker_step} {name}")
 
-    attention._build_after = checked
+    attention._build_after = checked  # the CUDA builders' probes (attention.build_probe) look it up at each call
     resolved = [r for r in check_probes(tag, backend=args.backend, tp_size=1) if not r.probe.capture_only]
     engine_args, shapes, reqs, temperature = overhead.gpu_engine_args(EngineArgs, args)
     engine = LLMEngine.from_engine_args(engine_args)

@@ -115,18 +115,20 @@ def thread_timed(fn, acc: dict[str, float], label: str):
     return timed
 
 
+def wrapped_hooks(resolved, wrap):
+    """The same probes with each hook replaced by wrap(label, hook), label "<probe>.before" or "<probe>.after"."""
+
+    def hook(p, when):
+        fn = getattr(p, when)
+        return None if fn is None else wrap(f"{p.name}.{when}", fn)
+
+    return [dataclasses.replace(r, probe=dataclasses.replace(r.probe, before=hook(r.probe, "before"), after=hook(r.probe, "after")))
+            for r in resolved]
+
+
 def timed_probes(resolved, hook_s: dict[str, float]):
     """The same probes with each hook's thread CPU time added to hook_s[name]."""
-
-    def timed(name, fn):
-        return None if fn is None else thread_timed(fn, hook_s, name)
-
-    out = []
-    for r in resolved:
-        p = r.probe
-        probe = dataclasses.replace(p, before=timed(p.name + ".before", p.before), after=timed(p.name + ".after", p.after))
-        out.append(dataclasses.replace(r, probe=probe))
-    return out
+    return wrapped_hooks(resolved, lambda label, fn: thread_timed(fn, hook_s, label))
 
 
 def cpu_engine_args(EngineArgs, args):

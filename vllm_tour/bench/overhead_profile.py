@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import dataclasses
 import json
 import os
 import pstats
@@ -80,6 +79,58 @@ def _busy_schedule(extra_us: list[float]):
     return lambda: setattr(Scheduler, "schedule", original)
 
 
+def measure_slack(round_, values: list[float]) -> dict[float, list[float]]:
+    """ms per step of untraced rounds with each busy wait of `values` (us per schedule() call), up then down."""
+    extra = [0.0]
+    undo = _busy_schedule(extra)
+    by_extra: dict[float, list[float]] = {x: [] for x in values}
+    try:
+        for k, x in enumerate(values + values[::-1]):
+            extra[0] = x
+            by_extra[x].append(statistics.mean(round_(f"slack{k}")) * 1e3)
+    finally:
+        undo()
+    return by_extra
+
+
+def measure_sections(round_, resolved, run_dir) -> tuple[int, dict[str, float], dict[str, float]]:
+    """One traced round with the hooks and the SECTIONS timed: (steps, us per step by hook, by section)."""
+    hook_s: dict[str, float] = {}
+    acc: dict[str, float] = {}
+    undo = _timed_sections(acc)
+    try:
+        steps = len(round_("sections", overhead.timed_probes(resolved, hook_s), run_dir))
+    finally:
+        for owner, name, fn in reversed(undo):
+            setattr(owner, name, fn)
+
+    def per_step(times: dict[str, float]) -> dict[str, float]:
+        return {k: round(v / steps * 1e6, 1) for k, v in sorted(times.items(), key=lambda kv: -kv[1]) if v}
+
+    return steps, per_step(hook_s), per_step(acc)
+
+
+def profile_hooks(round_, resolved, run_dir) -> tuple[int, list[tuple[str, float, float, float]]]:
+    """One traced round with cProfile on inside the hooks only: (steps, the top 40 functions by own time as
+    (name, calls, own us, us with callees) per step)."""
+    prof = cProfile.Profile()
+
+    def profiled(label, fn):
+        def hook(*a, **k):
+            prof.enable()
+            try:
+                return fn(*a, **k)
+            finally:
+                prof.disable()
+
+        return hook
+
+    steps = len(round_("cprofile", overhead.wrapped_hooks(resolved, profiled), run_dir))
+    top = sorted(pstats.Stats(prof).stats.items(), key=lambda kv: -kv[1][2])[:40]
+    return steps, [(f"{Path(f).name}:{line}({fn})" if line else fn, calls / steps, tt / steps * 1e6, ct / steps * 1e6)
+                   for (f, line, fn), (_, calls, tt, ct, _) in top]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     overhead.add_engine_args(ap)
@@ -105,16 +156,8 @@ def main() -> None:
         return wall
 
     round_("warmup")
-    extra = [0.0]
-    undo = _busy_schedule(extra)
     slack_values = [float(x) for x in args.slack.split(",") if x.strip()]
-    by_extra: dict[float, list[float]] = {x: [] for x in slack_values}
-    try:
-        for k, x in enumerate(slack_values + slack_values[::-1]):
-            extra[0] = x
-            by_extra[x].append(statistics.mean(round_(f"slack{k}")) * 1e3)
-    finally:
-        undo()
+    by_extra = measure_slack(round_, slack_values)
     base = statistics.mean(by_extra[slack_values[0]]) if slack_values else None
     result["slack_ms_per_step"] = {str(x): [round(v, 4) for v in vs] for x, vs in by_extra.items()}
     print("slack: added us per schedule() -> ms per step (two rounds), ratio to the first")
@@ -124,34 +167,8 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         round_("warmup-traced", resolved, tmp)
-        hook_s: dict[str, float] = {}
-        acc: dict[str, float] = {}
-        undo_sections = _timed_sections(acc)
-        try:
-            steps = len(round_("sections", overhead.timed_probes(resolved, hook_s), tmp))
-        finally:
-            for owner, name, fn in reversed(undo_sections):
-                setattr(owner, name, fn)
-        prof = cProfile.Profile()
-
-        def profiled(fn):
-            if fn is None:
-                return None
-
-            def hook(*a, **k):
-                prof.enable()
-                try:
-                    return fn(*a, **k)
-                finally:
-                    prof.disable()
-
-            return hook
-
-        profiled_probes = [dataclasses.replace(r, probe=dataclasses.replace(r.probe, before=profiled(r.probe.before),
-                                                                           after=profiled(r.probe.after))) for r in resolved]
-        psteps = len(round_("cprofile", profiled_probes, tmp))
-    hooks = {k: round(v / steps * 1e6, 1) for k, v in sorted(hook_s.items(), key=lambda kv: -kv[1]) if v}
-    sections = {k: round(v / steps * 1e6, 1) for k, v in sorted(acc.items(), key=lambda kv: -kv[1]) if v}
+        steps, hooks, sections = measure_sections(round_, resolved, tmp)
+        psteps, rows = profile_hooks(round_, resolved, tmp)
     result.update(steps_per_round=steps, hooks_us_per_step=hooks, hooks_total_us_per_step=round(sum(hooks.values()), 1),
                   sections_us_per_step=sections)
     print(f"hooks: {sum(hooks.values()):.0f} us per step over {steps} steps")
@@ -160,9 +177,6 @@ def main() -> None:
     print("sections (us per step; a function's time includes its callees):")
     for k, v in sections.items():
         print(f"  {k:36s} {v:7.1f}")
-    top = sorted(pstats.Stats(prof).stats.items(), key=lambda kv: -kv[1][2])[:40]
-    rows = [(f"{Path(f).name}:{line}({fn})" if line else fn, calls / psteps, tt / psteps * 1e6, ct / psteps * 1e6)
-            for (f, line, fn), (_, calls, tt, ct, _) in top]
     print(f"cprofile over {psteps} steps (us per step; cProfile's own cost inflates Python-level functions):")
     print(f"  {'function':58s} {'calls':>6s} {'own':>7s} {'with callees':>12s}")
     for name, calls, tt, ct in rows:
