@@ -75,19 +75,23 @@ def _build_after(token, md, self, common_prefix_len, common_attn_metadata, *a, l
         header = ["attention", R.proc_dict("worker"), R.worker_step, static, num_reqs, n, 0, num_reqs, 0, table.shape[1]]
         arrays = [qsl, _np(md.seq_lens)[:num_reqs], table, _np(md.slot_mapping)[:n]]
     else:
-        # v0.21.0 on CUDA: the block-table rows the GPU copy was made from (the batch's: rows past it, a CUDA
-        # graph's padding, are 0 on the GPU and stale here) and the sequence lengths' host copy.
-        runner = R.host_runner
-        rows = runner.input_batch.num_reqs
-        batch = min(rows, num_reqs)
-        seq_lens = cm._seq_lens_cpu if getattr(cm, "_seq_lens_cpu", None) is not None else runner.optimistic_seq_lens_cpu
-        table = bt.block_table.np
-        header = ["attention", R.proc_dict("worker"), R.worker_step, static, num_reqs, n, bt.block_size, batch, num_reqs - batch,
-                  table.shape[1]]
-        arrays = [qsl, seq_lens.numpy()[:num_reqs], table[:rows]]
+        tail, arrays = _host_arrays(R.host_runner, bt, cm, num_reqs)
+        header = ["attention", R.proc_dict("worker"), R.worker_step, static, num_reqs, n, *tail]
+        arrays.insert(0, qsl)
     R.send(header, arrays)  # the runner record that completes the step flushes both
     if R.capture:  # no helper then: the record was made here
         capture.note_slots(R.worker.slots.tolist())
+
+
+def _host_arrays(runner, bt, cm, num_reqs: int) -> tuple[list, list]:
+    """v0.21.0 on CUDA: an attention message's host-mode fields (block size, batch rows, padding rows, row
+    length) and arrays: the sequence lengths' host copy and the block-table rows the GPU copy was made from
+    (the batch's; rows past it, a CUDA graph's padding, are 0 on the GPU and stale here)."""
+    rows = runner.input_batch.num_reqs
+    batch = min(rows, num_reqs)
+    seq_lens = cm._seq_lens_cpu if getattr(cm, "_seq_lens_cpu", None) is not None else runner.optimistic_seq_lens_cpu
+    table = bt.block_table.np
+    return [bt.block_size, batch, num_reqs - batch, table.shape[1]], [seq_lens.numpy()[:num_reqs], table[:rows]]
 
 
 def _static(builder, layout: str | None, probe: Probe) -> list:

@@ -82,15 +82,22 @@ def _prepare_after(result, out, self, scheduler_output, num_scheduled_tokens, *a
     else:
         # CUDA: the same values from the runner's host state, not copied back from the GPU (each copy a
         # device sync that also stalls async scheduling); worker_records computes them.
-        decode = n == num_reqs  # one token per request
-        header[4:] = "host", decode, out[1] is not None  # logits indices given: speculative decoding
-        arrays += (self.input_batch.num_computed_tokens_cpu[:num_reqs], self.optimistic_seq_lens_cpu.numpy()[:num_reqs])
-        if not decode:
-            arrays.append(self.query_pos.np[:n])
-        if out[1] is not None:
-            arrays.append(out[0].cpu().numpy())
+        header[5:], host = _host_arrays(self, out, n, num_reqs)
+        header[4] = "host"
+        arrays += host
         R.host_runner = self  # attention.py reads its block table
     R.send(header, arrays)
+
+
+def _host_arrays(runner, out, n: int, num_reqs: int) -> tuple[list, list]:
+    """A prepare message's host-mode flags (decode, logits indices given) and arrays (see worker_records)."""
+    decode = n == num_reqs  # one token per request
+    arrays = [runner.input_batch.num_computed_tokens_cpu[:num_reqs], runner.optimistic_seq_lens_cpu.numpy()[:num_reqs]]
+    if not decode:
+        arrays.append(runner.query_pos.np[:n])
+    if out[1] is not None:  # speculative decoding: the indices as upstream made them
+        arrays.append(out[0].cpu().numpy())
+    return [decode, out[1] is not None], arrays
 
 
 def _host_exact(runner) -> bool:

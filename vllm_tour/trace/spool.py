@@ -133,14 +133,15 @@ class Ring:
         mm, size, c = self.mm, self.size, self.counters
         written, need = c[0], 4 + total
         off = written % size
-        tail = size - off
-        skip = tail if tail < need else 0
-        if written + skip + need - c[1] > size:
-            return False
-        if skip:
-            if tail >= 4:
+        if size - off < need:  # start over at the beginning: the tail is skipped (the reader's skip published now)
+            if written + size - off - c[1] > size:
+                return False  # the reader is still in the tail's bytes of the lap before
+            if size - off >= 4:
                 _U32.pack_into(mm, HEADER + off, WRAP)
-            written, off = written + skip, 0
+            written += size - off
+            c[0], off = written, 0
+        if written + need - c[1] > size:
+            return False
         pos = HEADER + off
         _U32.pack_into(mm, pos, total)
         pos += 4
@@ -254,7 +255,11 @@ class Spool:
 
     def _reaped(self) -> bool:
         if not self.exited:
-            pid, _, usage = os.wait4(self.proc.pid, os.WNOHANG)
+            try:
+                pid, _, usage = os.wait4(self.proc.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped elsewhere (its CPU time unknown)
+                self.exited = True
+                return True
             if pid:
                 self.exited, self.proc.returncode = True, 0
                 self.cpu_s = usage.ru_utime + usage.ru_stime
