@@ -106,13 +106,20 @@ _KILLED = textwrap.dedent("""
 """)
 
 
-def _exited(pid: int) -> bool:
-    """Gone, or a zombie that nobody reaped yet (its parent is dead)."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return any(line.startswith("State:") and "Z" in line for line in f)
-    except FileNotFoundError:
-        return True
+def _exited(pid: int, timeout: float = 10.0) -> bool:
+    """Gone, or a zombie that nobody reaped yet (its parent is dead), within `timeout` seconds (a process
+    closes its files before it is a zombie)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                if any(line.startswith("State:") and "Z" in line for line in f):
+                    return True
+        except FileNotFoundError:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
 
 
 def test_a_killed_process_loses_nothing_it_handed_over(tmp_path):
