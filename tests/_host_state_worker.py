@@ -47,8 +47,8 @@ def build_after(token, md, self, common_prefix_len, cm, *a, **kw):
         return
     n, num_reqs = md.num_actual_tokens, cm.num_reqs
     bt = runners[0].input_batch.block_table.block_tables[0]
-    (block_size, batch, zero_rows, cols), (seq_lens, rows) = attention._host_arrays(runners[0], bt, cm, num_reqs)
-    rows = rows.reshape(-1, cols)
+    (block_size, batch, zero_rows, cols, width), (seq_lens, rows) = attention._host_arrays(runners[0], bt, cm, num_reqs)
+    rows = np.concatenate([rows, np.zeros((len(rows), cols - width), rows.dtype)], axis=1)  # the columns not sent are 0
     slots = host._host_slots(rows, block_size, n)
     table = np.concatenate([rows[:batch], np.zeros((zero_rows, cols), rows.dtype)])
     for name, mine, held in (("slot_mapping", slots, md.slot_mapping.numpy()[:n]),

@@ -98,7 +98,7 @@ _KILLED = textwrap.dedent("""
     for step in range(1, 201):
         R.write({"step": step, "proc": proc, "kind": "scheduler-ish", "n": step}, flush=False)
         table = np.arange(step * 4, dtype=np.int32).reshape(step, 4) % 7
-        R.send(["attention", proc, step, static, step, step, 0, step, 0, 4],
+        R.send(["attention", proc, step, static, step, step, 0, step, 0, 4, 4],
                [np.arange(step + 1, dtype=np.int32), np.ones(step, np.int32), table, np.arange(step, dtype=np.int64)])
         R.flush()
     print(R._spool.proc.pid, flush=True)

@@ -56,8 +56,8 @@ def main() -> None:
         if bt is None:
             return
         n, num_reqs = md.num_actual_tokens, cm.num_reqs
-        (_, batch, zero_rows, cols), (seq_lens, rows) = attention._host_arrays(R.host_runner, bt, cm, num_reqs)
-        rows = rows.reshape(-1, cols)
+        (_, batch, zero_rows, cols, width), (seq_lens, rows) = attention._host_arrays(R.host_runner, bt, cm, num_reqs)
+        rows = np.concatenate([rows, np.zeros((len(rows), cols - width), rows.dtype)], axis=1)  # the columns not sent are 0
         padded = np.concatenate([rows[:batch], np.zeros((zero_rows, cols), rows.dtype)])
         seen["host_view_steps"] += 1
         seen["padded_steps"] += int(zero_rows > 0)

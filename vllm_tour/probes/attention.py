@@ -9,6 +9,8 @@ sequence lengths, query offsets, block-table rows and the slot mapping.
 
 from __future__ import annotations
 
+import numpy as np
+
 from ..trace.writer import RECORDER as R
 from . import capture
 from .base import Probe
@@ -72,7 +74,7 @@ def _build_after(token, md, self, common_prefix_len, common_attn_metadata, *a, l
     if bt is None:
         # CPU backend: the tensors live in host memory; numpy views slice far cheaper than torch.
         table = _np(md.block_table)[:num_reqs]
-        header = ["attention", R.proc_dict("worker"), R.worker_step, static, num_reqs, n, 0, num_reqs, 0, table.shape[1]]
+        header = ["attention", R.proc_dict("worker"), R.worker_step, static, num_reqs, n, 0, num_reqs, 0, table.shape[1], table.shape[1]]
         arrays = [qsl, _np(md.seq_lens)[:num_reqs], table, _np(md.slot_mapping)[:n]]
     else:
         tail, arrays = _host_arrays(R.host_runner, bt, cm, num_reqs)
@@ -85,13 +87,23 @@ def _build_after(token, md, self, common_prefix_len, common_attn_metadata, *a, l
 
 def _host_arrays(runner, bt, cm, num_reqs: int) -> tuple[list, list]:
     """v0.21.0 on CUDA: an attention message's host-mode fields (block size, batch rows, padding rows, row
-    length) and arrays: the sequence lengths' host copy and the block-table rows the GPU copy was made from
-    (the batch's; rows past it, a CUDA graph's padding, are 0 on the GPU and stale here)."""
+    length, columns sent) and arrays: the sequence lengths' host copy and the block-table rows the GPU copy
+    was made from (the batch's; rows past it, a CUDA graph's padding, are 0 on the GPU and stale here).
+
+    Only the columns a block id was ever written to are sent (the rest are 0): upstream writes a row's ids
+    at its first num_blocks_per_row columns and leaves older ids past them (stale, but what the GPU gets),
+    so every non-zero lies left of the widest row seen so far, at any step since the table was first read."""
     rows = runner.input_batch.num_reqs
     batch = min(rows, num_reqs)
     seq_lens = cm._seq_lens_cpu if getattr(cm, "_seq_lens_cpu", None) is not None else runner.optimistic_seq_lens_cpu
     table = bt.block_table.np
-    return [bt.block_size, batch, num_reqs - batch, table.shape[1]], [seq_lens.numpy()[:num_reqs], table[:rows]]
+    width = R.attn_width.get(id(table))
+    if width is None:  # first read: the columns holding any id now
+        used = np.logical_or.reduce(table != 0, axis=0).nonzero()[0]
+        width = int(used[-1]) + 1 if len(used) else 0
+    width = R.attn_width[id(table)] = max(width, int(bt.num_blocks_per_row.max()))
+    fields = [bt.block_size, batch, num_reqs - batch, table.shape[1], width]
+    return fields, [seq_lens.numpy()[:num_reqs], table[:rows, :width]]
 
 
 def _static(builder, layout: str | None, probe: Probe) -> list:

@@ -49,10 +49,27 @@ def _scheduled(self, out) -> tuple[dict, dict[str, int]]:
     rids = [nr.req_id for nr in new_reqs] + list(cached.req_ids)
     computed = [nr.num_computed_tokens for nr in new_reqs] + list(cached.num_computed_tokens)
     reqs = list(map(self.requests.__getitem__, rids))
+    n_sched = out.num_scheduled_tokens
+    columns = {
+        "req_id": None,
+        "kind": None,
+        "num_scheduled_tokens": list(map(n_sched.__getitem__, rids)),
+        "num_computed_tokens": computed,
+        "num_prompt_tokens": None,
+        "num_output_tokens": list(map(len, map(_outputs, reqs))),
+        "is_prefill": None,
+    }
+    prev = R.sched_prev
+    if prev is not None and not new_reqs and not cached.resumed_req_ids and rids == prev[0]:
+        # The same requests in the same order as at the previous step (a decode step), all running now: their
+        # ids and prompt lengths are the previous record's; a request out of its prefill stays out of it.
+        _, uids, prompts, kinds, was_prefill = prev
+        prefill = _prefill(computed, prompts, reqs) if True in was_prefill else was_prefill
+        columns.update(req_id=uids, kind=kinds, num_prompt_tokens=prompts, is_prefill=prefill)
+        R.sched_prev = (rids, uids, prompts, kinds, prefill)
+        return columns, {}
     prompts = list(map(_prompt_len, reqs))
-    # Upstream's own prefill boundary, computed < max(prompt, num_tokens - 1): a resumed request
-    # replays its outputs too. A comprehension without max() calls is the fastest form here.
-    prefill = [c < p or c < len(r._all_token_ids) - 1 for c, p, r in zip(computed, prompts, reqs)]
+    prefill = _prefill(computed, prompts, reqs)
     uids = list(map(user_req_id, rids))
     kinds = ["running"] * len(rids)
     admitted = {}
@@ -69,17 +86,15 @@ def _scheduled(self, out) -> tuple[dict, dict[str, int]]:
             if rids[i] in resumed_ids:
                 kinds[i] = "resumed"
                 admitted[uids[i]] = computed[i]
-    n_sched = out.num_scheduled_tokens
-    columns = {
-        "req_id": uids,
-        "kind": kinds,
-        "num_scheduled_tokens": list(map(n_sched.__getitem__, rids)),
-        "num_computed_tokens": computed,
-        "num_prompt_tokens": prompts,
-        "num_output_tokens": list(map(len, map(_outputs, reqs))),
-        "is_prefill": prefill,
-    }
+    columns.update(req_id=uids, kind=kinds, num_prompt_tokens=prompts, is_prefill=prefill)
+    R.sched_prev = (rids, uids, prompts, ["running"] * len(rids) if admitted else kinds, prefill)
     return columns, admitted
+
+
+def _prefill(computed: list[int], prompts: list[int], reqs: list) -> list[bool]:
+    # Upstream's own prefill boundary, computed < max(prompt, num_tokens - 1): a resumed request
+    # replays its outputs too. A comprehension without max() calls is the fastest form here.
+    return [c < p or c < len(r._all_token_ids) - 1 for c, p, r in zip(computed, prompts, reqs)]
 
 
 def _schedule_after(token, out, self, *a, **kw):

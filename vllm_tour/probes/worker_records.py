@@ -12,8 +12,9 @@ Messages (header list; arrays):
             tensors), or mode "host" (v0.21.0 on CUDA, see runner._host_exact): num_computed_tokens,
             seq_lens, [query_pos unless decode], [logits_indices if logits_given]
   attention [kind, proc, step, static (the record's fixed fields, then the probe's name and target),
-            num_reqs, num_tokens, block_size, batch, zero_rows, row length];
-            query_start_loc, seq_lens, block-table rows (flattened), [slot_mapping unless block_size]
+            num_reqs, num_tokens, block_size, batch, zero_rows, row length, columns sent];
+            query_start_loc, seq_lens, block-table rows (flattened, their first columns: the others 0),
+            [slot_mapping unless block_size]
             (block_size > 0: the slot mapping follows from the prepare message's host state, as
             block_table._compute_slot_mapping_kernel computes it on the GPU)
   finish    [kind, proc, step, num_tokens, sampled req ids or None, sampled token ids or None]
@@ -120,9 +121,11 @@ class WorkerRecords:
         }
 
     def _attention(self, header: list, arrays: list) -> dict:
-        _, proc, step, static, num_reqs, n, block_size, batch, zero_rows, cols = header
+        _, proc, step, static, num_reqs, n, block_size, batch, zero_rows, cols, width = header
         qsl, seq_lens, table, *slots = arrays
-        table = table.reshape(-1, cols)
+        table = table.reshape(-1, width)
+        if width < cols:  # the columns not sent are 0
+            table = np.concatenate([table, np.zeros((len(table), cols - width), table.dtype)], axis=1)
         if block_size:
             slots = self._host_slots(table, block_size, n)
             table = table[:batch]

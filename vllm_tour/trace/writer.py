@@ -71,9 +71,11 @@ class Recorder:
         self.kv_freed_since = False  # a request's blocks were freed since then
         self.kv_pending_evicted: list[int] = []
         self.preempted: list = []
+        self.sched_prev = None  # the previous scheduler record's (internal ids, user ids, prompts, all "running", prefill)
         self.runner_pending = None  # (step, tokens scheduled) of the worker step under way
         self.host_runner = None  # its model runner, when its prepare message gave the host state (runner.py)
         self.attn_static: dict[int, list] = {}  # id(metadata builder) -> its attention record's fixed fields
+        self.attn_width: dict[int, int] = {}  # id(a runner's host block table) -> columns ever written (attention.py)
         self.layers_info = None
         self.worker = WorkerRecords()  # builds the runner and attention records here when there is no helper
         self.captures: dict[str, object] = {}
