@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from vllm_tour.probes.worker_records import FEW_ROWS, WorkerRecords, trim_rows
+from vllm_tour.probes import attention
+from vllm_tour.trace.writer import RECORDER as R
 
 
 def _trimmed(table: np.ndarray) -> list[list[int]]:
@@ -42,14 +43,14 @@ def _rows(rng, lengths) -> list[list[int]]:
 
 def test_trim_rows_gives_the_plain_trim_for_few_and_many_rows():
     rng = np.random.default_rng(0)
-    for num_reqs in (0, 1, FEW_ROWS, FEW_ROWS + 1, 40):
+    for num_reqs in (0, 1, attention.FEW_ROWS, attention.FEW_ROWS + 1, 40):
         table = _table(_rows(rng, rng.integers(0, 20, num_reqs)))
         if num_reqs > 1:
             table[1, 0] = 0  # the null block inside a row stays, only trailing ones go
-        assert trim_rows(table) == _trimmed(table), num_reqs
-        assert trim_rows(table[:, :0]) == [[]] * num_reqs  # no used column at all
+        assert attention._trim_rows(table) == _trimmed(table), num_reqs
+        assert attention._trim_rows(table[:, :0]) == [[]] * num_reqs  # no used column at all
         for rows in (list(range(0, num_reqs, 2)), list(range(1, num_reqs, 5))):  # listed rows, few or many
-            assert trim_rows(table, rows) == [_trimmed(table)[i] for i in rows], (num_reqs, rows)
+            assert attention._trim_rows(table, rows) == [_trimmed(table)[i] for i in rows], (num_reqs, rows)
 
 
 def test_trim_rows_cuts_inside_the_last_block_whatever_its_bytes():
@@ -59,8 +60,8 @@ def test_trim_rows_cuts_inside_the_last_block_whatever_its_bytes():
     for dtype in (np.int32, np.int64):
         rows = [[256, 0, 65536], [7], [], [1 << 24, 512, 0, 0, 3], list(rng.integers(1, 1 << 30, 200))]
         table = _table(rows, columns=256).astype(dtype)
-        assert trim_rows(table, list(range(len(rows)))) == _trimmed(table)
-        assert trim_rows(table) == _trimmed(table)
+        assert attention._trim_rows(table, list(range(len(rows)))) == _trimmed(table)
+        assert attention._trim_rows(table) == _trimmed(table)
 
 
 def test_block_rows_name_exactly_the_changed_rows_as_the_width_grows_and_shrinks():
@@ -82,9 +83,14 @@ def test_block_rows_name_exactly_the_changed_rows_as_the_width_grows_and_shrinks
         if step == 25:
             rows = rows[:4]  # rows dropped
         steps.append(_table(rows))
-    records, prev = WorkerRecords(), None
-    for step, table in enumerate(steps, 1):
-        prev = _check_fields(records._block_rows(step, table), _trimmed(table), prev, step)
+    saved = R.attn_prev_table, R.worker_step
+    try:
+        R.attn_prev_table, prev = None, None
+        for step, table in enumerate(steps, 1):
+            R.worker_step = step
+            prev = _check_fields(attention._block_rows(table), _trimmed(table), prev, step)
+    finally:
+        R.attn_prev_table, R.worker_step = saved
 
 
 def test_block_rows_with_padding_rows_name_exactly_the_changed_rows():
@@ -92,17 +98,22 @@ def test_block_rows_with_padding_rows_name_exactly_the_changed_rows():
     record is the one the padded table would give, as the batch and its padding grow and shrink."""
     rng = np.random.default_rng(4)
     rows = _rows(rng, rng.integers(1, 6, 12))
-    records, prev = WorkerRecords(), None
-    for step in range(1, 40):
-        for row in rows:
-            if rng.random() < 0.3:
-                row.append(int(rng.integers(1, 1000)))
-        if step in (6, 20):
-            rows = rows[: len(rows) - 5]  # requests finish: the graph pads the batch up to its size
-        if step in (12, 30):
-            rows += _rows(rng, [3, 1, 4])  # requests arrive on rows that were padding
-        padding = int(rng.integers(0, 6)) if step % 3 else 0
-        real = _table(rows)
-        stale = np.vstack([real, rng.integers(1, 1000, (padding, real.shape[1])).astype(real.dtype)])
-        fields = records._block_rows(step, stale[: len(rows)], padding)  # only the batch's rows are read
-        prev = _check_fields(fields, _trimmed(real) + [[]] * padding, prev, step)
+    saved = R.attn_prev_table, R.worker_step
+    try:
+        R.attn_prev_table, prev = None, None
+        for step in range(1, 40):
+            for row in rows:
+                if rng.random() < 0.3:
+                    row.append(int(rng.integers(1, 1000)))
+            if step in (6, 20):
+                rows = rows[: len(rows) - 5]  # requests finish: the graph pads the batch up to its size
+            if step in (12, 30):
+                rows += _rows(rng, [3, 1, 4])  # requests arrive on rows that were padding
+            padding = int(rng.integers(0, 6)) if step % 3 else 0
+            real = _table(rows)
+            stale = np.vstack([real, rng.integers(1, 1000, (padding, real.shape[1])).astype(real.dtype)])
+            R.worker_step = step
+            fields = attention._block_rows(stale[: len(rows)], padding)  # only the batch's rows are read
+            prev = _check_fields(fields, _trimmed(real) + [[]] * padding, prev, step)
+    finally:
+        R.attn_prev_table, R.worker_step = saved

@@ -75,7 +75,7 @@ def test_summarized_int_lists_digest_the_same_values_on_both_sides():
     """The probe summarizes the runner's int32/int64 buffers; compare re-digests the reimpl's Python ints."""
     import numpy as np
 
-    from vllm_tour.probes.worker_records import EDGE, FULL_LIMIT, int_list
+    from vllm_tour.probes.runner import EDGE, FULL_LIMIT, int_list
     from vllm_tour.trace.schema import IntList, int_digest
 
     values = [(i * 7919) % 100_003 for i in range(2048)]

@@ -33,7 +33,6 @@ from .logprobs import default_logprobs
 from .paths import RUNS_DIR, cache_dir
 from .scenario import Scenario
 from .trace.schema import Outputs, RequestOutput, RunMeta
-from .trace.spool import wait_for_writers
 from .trace.writer import CAPTURE_ENV, CAPTURE_STEPS_ENV, RECORDER, RUN_DIR_ENV, parse_steps, write_json_atomic
 from .writable import check_dir
 
@@ -321,8 +320,6 @@ def run_upstream(
             fail_run(meta, run_dir, e, "engine")
         finally:
             RECORDER.deactivate()
-            # Other processes' records (EngineCore, workers) may still be on their way through their spool helpers.
-            wait_for_writers(run_dir)
 
     prompt_ids = {o.req_id: o.prompt_token_ids for o in outputs}
     for r in meta.requests:

@@ -2,9 +2,9 @@
 
     python -m vllm_tour.bench.host_view_check --backend FLASH_ATTN [--num-seqs 256] [--json PATH]
 
-On CUDA the attention record's slot mapping, block-table rows (with a CUDA graph's padding rows as
-rows of 0) and sequence lengths come from the runner's host state, without copying the device
-tensors back (attention._host_arrays, worker_records). This runs the overhead bench's GPU engine (the race
+On CUDA the attention probe computes the slot mapping, the block-table rows (with a CUDA graph's
+padding rows as rows of 0) and the sequence lengths from the runner's host state, without copying
+the device tensors back (attention._host_view). This runs the overhead bench's GPU engine (the race
 recipe: Qwen3-0.6B shapes, dummy weights, CUDA graphs + torch.compile, batches that shrink as
 sequences finish, so most decode steps are padded up to a captured graph size) for one traced round
 and, at every step, copies the metadata's device tensors back and compares them with those values.
@@ -45,24 +45,22 @@ def main() -> None:
     os.environ[PIN_ENV] = tag
     seen = {"steps": 0, "host_view_steps": 0, "padded_steps": 0, "max_padding_rows": 0, "mismatches": []}
     record_after = attention._build_after
-    os.environ["VLLM_TOUR_SPOOL"] = "0"  # the records made in this process: R.worker holds the slot mapping it computed
 
     def checked(token, md, self, common_prefix_len, cm, *a, **kw):
         record_after(token, md, self, common_prefix_len, cm, *a, **kw)
         if not R.in_execute:
             return
         seen["steps"] += 1
-        bt = attention._host_block_table(md)
-        if bt is None:
+        host = attention._host_tables(md, R.runner_pending)
+        if host is None:
             return
         n, num_reqs = md.num_actual_tokens, cm.num_reqs
-        (_, batch, zero_rows, cols, width), (seq_lens, rows) = attention._host_arrays(R.host_runner, bt, cm, num_reqs)
-        rows = np.concatenate([rows, np.zeros((len(rows), cols - width), rows.dtype)], axis=1)  # the columns not sent are 0
-        padded = np.concatenate([rows[:batch], np.zeros((zero_rows, cols), rows.dtype)])
+        slots, table, zero_rows, seq_lens = attention._host_view(host, cm, num_reqs, n)
+        padded = np.concatenate([table, np.zeros((zero_rows, table.shape[1]), table.dtype)])
         seen["host_view_steps"] += 1
         seen["padded_steps"] += int(zero_rows > 0)
         seen["max_padding_rows"] = max(seen["max_padding_rows"], zero_rows)
-        for name, mine, device in (("slot_mapping", R.worker.slots, md.slot_mapping[:n]),
+        for name, mine, device in (("slot_mapping", slots, md.slot_mapping[:n]),
                                    ("block_table", padded, md.block_table[:num_reqs]),
                                    ("seq_lens", seq_lens, md.seq_lens[:num_reqs])):
             if not np.array_equal(mine, device.cpu().numpy()) and len(seen["mismatches"]) < 20:

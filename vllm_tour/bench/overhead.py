@@ -24,12 +24,6 @@ Four figures, because the machines this runs on are shared:
           other processes, but not immune: its compute threads spin while they wait);
   hooks — CPU time spent inside the probe hooks per step, as a share of the
           untraced step's CPU time (the probes' own cost, measured directly).
-Beside them, the CPU time per traced step of the spool helper, the process that
-builds the runner and attention records and writes the file (trace/spool.py): it
-runs at idle priority, on whatever core the engine leaves idle, so it is not in
-`cpu` (this process's time); what it takes from the engine shows in `wall`. The
-traced rounds share one activation of the recorder, as a traced run does: the
-helper starts in the traced warm-up round.
 --json writes the figures with the machine (CPU model, AMX, GPU), the shapes,
 the vLLM version and the date (checked in under traces/bench-results/).
 """
@@ -37,7 +31,6 @@ the vLLM version and the date (checked in under traces/bench-results/).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import datetime
 import json
@@ -83,15 +76,13 @@ def workload(n: int, max_tokens: int, seed: int = 0):
 def run_round(engine, reqs, SamplingParams, tag: str, temperature: float = 0.0, probes=None,
               run_dir: str | None = None) -> tuple[list[float], list[float]]:
     """Run the workload to completion; (wall seconds, process CPU seconds) per step. With `probes` (resolved
-    probes): installed for this round only, recording into `run_dir` (activated for this round), or without
-    one into the recorder's current activation (see `recording`)."""
+    probes): installed and recording into `run_dir` for this round only."""
     from ..probes.base import install, uninstall
     from ..trace.writer import RECORDER
 
     if probes is not None:
         install(probes, RECORDER)
-        if run_dir is not None:
-            RECORDER.activate(run_dir, "", "")
+        RECORDER.activate(run_dir, "", "")
     wall, cpu = [], []
     try:
         detokenize = not engine.vllm_config.model_config.skip_tokenizer_init  # the GPU recipe has no tokenizer
@@ -105,23 +96,9 @@ def run_round(engine, reqs, SamplingParams, tag: str, temperature: float = 0.0, 
             cpu.append(time.process_time() - c0)
     finally:
         if probes is not None:
-            if run_dir is not None:
-                RECORDER.deactivate()
+            RECORDER.deactivate()
             uninstall(probes)
     return wall, cpu
-
-
-@contextlib.contextmanager
-def recording(run_dir: str):
-    """One activation of the recorder for many traced rounds, as a traced run has one: its spool helper
-    (trace/spool.py) starts at the first round's first step and serves them all."""
-    from ..trace.writer import RECORDER
-
-    RECORDER.activate(run_dir, "", "")
-    try:
-        yield RECORDER
-    finally:
-        RECORDER.deactivate()
 
 
 def thread_timed(fn, acc: dict[str, float], label: str):
@@ -219,33 +196,27 @@ def main() -> None:
     engine_args, shapes, reqs, temperature = (gpu_engine_args if args.gpu else cpu_engine_args)(EngineArgs, args)
     engine = LLMEngine.from_engine_args(engine_args)
     run_round(engine, reqs, SamplingParams, "warmup", temperature)
+    # The traced side gets a warm-up round of its own: on the H200 the first traced round ran 0.5-1.3 ms per step
+    # slower than the later ones in every run (one-time costs, not the probes' cost per step). Reported apart.
+    with tempfile.TemporaryDirectory() as tmp:
+        first_traced, _ = run_round(engine, reqs, SamplingParams, "warmup-traced", temperature, resolved, tmp)
     order = (["A", "B", "B", "A"] * rounds)[: 2 * rounds]
     rounds_wall: list[float] = []  # in run order
     wall: dict[str, list[float]] = {"A": [], "B": []}
     cpu: dict[str, list[float]] = {"A": [], "B": []}
-    traced_steps = steps = b_steps = 0
-    helper_s = 0.0  # CPU time of the spool helper during the B rounds
+    traced_steps = steps = 0
     with tempfile.TemporaryDirectory() as tmp:
-        with recording(tmp) as recorder:
-            # The traced side gets a warm-up round of its own: on the H200 the first traced round ran 0.5-1.3 ms
-            # per step slower than the later ones in every run (one-time costs, the helper's start among them,
-            # not the probes' cost per step). Reported apart.
-            first_traced, _ = run_round(engine, reqs, SamplingParams, "warmup-traced", temperature, resolved)
-            spooled = recorder.helper_cpu() > 0
-            for k, side in enumerate(order):
-                h0 = recorder.helper_cpu()
-                w, c = run_round(engine, reqs, SamplingParams, f"{side}{k}", temperature, resolved if side == "B" else None)
-                wall[side].append(statistics.mean(w))
-                rounds_wall.append(wall[side][-1])
-                cpu[side].append(statistics.mean(c))
-                steps = len(w)
-                if side == "B":
-                    helper_s += recorder.helper_cpu() - h0
-                    b_steps += len(w)
-            for k in range(1 if args.gpu else 2):  # the breakdown: probes with timed hooks
-                w, _ = run_round(engine, reqs, SamplingParams, f"T{k}", temperature, timed)
-                traced_steps += len(w)
+        for k, side in enumerate(order):
+            w, c = run_round(engine, reqs, SamplingParams, f"{side}{k}", temperature,
+                             resolved if side == "B" else None, tmp)
+            wall[side].append(statistics.mean(w))
+            rounds_wall.append(wall[side][-1])
+            cpu[side].append(statistics.mean(c))
+            steps = len(w)
         trace_bytes = sum(os.path.getsize(os.path.join(tmp, f)) for f in os.listdir(tmp))
+        for k in range(1 if args.gpu else 2):  # the breakdown: probes with timed hooks
+            w, _ = run_round(engine, reqs, SamplingParams, f"T{k}", temperature, timed, tmp)
+            traced_steps += len(w)
 
     import vllm
 
@@ -276,9 +247,6 @@ def main() -> None:
           f"cpu {cmn['A'] * 1e3:.2f} / {cmn['B'] * 1e3:.2f} -> ratio {cmn['B'] / cmn['A']:.3f} (fastest round per side)")
     print(f"hooks:    {hooks * 1e6:.0f} us CPU per step inside probe hooks (extra timed rounds) = {hooks / cmed['A']:.1%} of the untraced step's CPU time")
     print("          costliest: " + ", ".join(f"{k} {v / traced_steps * 1e6:.0f} us" for k, v in top))
-    helper = helper_s / b_steps if b_steps else 0.0
-    print(f"helper:   {helper * 1e6:.0f} us CPU per traced step in the spool helper (another process, idle priority)" if spooled
-          else "helper:   none (VLLM_TOUR_SPOOL=0, or not Linux x86-64): the records are made and written in the engine's process")
     print(f"warm-up:  the first traced round (not in the ratios) {statistics.mean(first_traced) * 1e3:.2f} ms/step")
     print(f"overhead (step-time ratio, wall): {med['B'] / med['A']:.3f}   goal <= {goal}")
     if args.json:
@@ -296,7 +264,6 @@ def main() -> None:
             "first_traced_round_ms_per_step": round(statistics.mean(first_traced) * 1e3, 3),
             "hooks_us_per_step": round(hooks * 1e6, 1),
             "hooks_us_per_step_by_probe": {k: round(v / traced_steps * 1e6, 1) for k, v in sorted(hook_s.items(), key=lambda kv: -kv[1])},
-            "helper_us_per_step": round(helper * 1e6, 1) if spooled else None,
         }
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1) + "\n")

@@ -33,20 +33,18 @@ from . import overhead
 # Probe functions timed in the sections part: (module, function); each wrapped where it is looked up (the
 # module's global), so calls between them are timed too.
 SECTIONS = {
-    "vllm_tour.probes.attention": ("_host_block_table", "_host_arrays", "_static"),
-    "vllm_tour.probes.runner": ("_host_arrays", "_array"),
-    "vllm_tour.probes.kv": ("kv_record", "prefix_hits"),
-    "vllm_tour.probes.scheduler": ("_scheduled",),
-    "vllm_tour.trace.writer": ("_encode",),
-    "vllm_tour.trace.spool": ("frames",),
+    "attention": ("_host_tables", "_host_view", "_block_rows", "_trim_rows", "_layers"),
+    "runner": ("int_list", "_device_after", "_values", "_array"),
+    "kv": ("kv_record", "prefix_hits"),
+    "scheduler": ("_scheduled",),
 }
 
 
 def _timed_sections(acc: dict[str, float]) -> list:
-    """Wrap the SECTIONS functions (and the writer's hand-over methods); returns what to put back."""
+    """Wrap the SECTIONS functions (and the writer's encode and flush); returns what to put back."""
     import importlib
 
-    from ..trace import spool, writer
+    from ..trace import writer
 
     undo = []
 
@@ -56,12 +54,11 @@ def _timed_sections(acc: dict[str, float]) -> list:
         undo.append((owner, name, fn))
 
     for mod, names in SECTIONS.items():
-        module = importlib.import_module(mod)
+        module = importlib.import_module(f"vllm_tour.probes.{mod}")
         for name in names:
-            wrap(module, name, f"{mod.rsplit('.', 1)[1]}.{name}")
-    for method in ("send", "flush", "write"):
-        wrap(writer.Recorder, method, f"writer.Recorder.{method}")
-    wrap(spool.Ring, "put", "spool.Ring.put")
+            wrap(module, name, f"{mod}.{name}")
+    wrap(writer, "_encode", "writer._encode")
+    wrap(writer.Recorder, "flush", "writer.Recorder.flush")
     return undo
 
 
@@ -96,13 +93,13 @@ def measure_slack(round_, values: list[float]) -> dict[float, list[float]]:
     return by_extra
 
 
-def measure_sections(round_, resolved) -> tuple[int, dict[str, float], dict[str, float]]:
+def measure_sections(round_, resolved, run_dir) -> tuple[int, dict[str, float], dict[str, float]]:
     """One traced round with the hooks and the SECTIONS timed: (steps, us per step by hook, by section)."""
     hook_s: dict[str, float] = {}
     acc: dict[str, float] = {}
     undo = _timed_sections(acc)
     try:
-        steps = len(round_("sections", overhead.timed_probes(resolved, hook_s)))
+        steps = len(round_("sections", overhead.timed_probes(resolved, hook_s), run_dir))
     finally:
         for owner, name, fn in reversed(undo):
             setattr(owner, name, fn)
@@ -113,7 +110,7 @@ def measure_sections(round_, resolved) -> tuple[int, dict[str, float], dict[str,
     return steps, per_step(hook_s), per_step(acc)
 
 
-def profile_hooks(round_, resolved) -> tuple[int, list[tuple[str, float, float, float]]]:
+def profile_hooks(round_, resolved, run_dir) -> tuple[int, list[tuple[str, float, float, float]]]:
     """One traced round with cProfile on inside the hooks only: (steps, the top 40 functions by own time as
     (name, calls, own us, us with callees) per step)."""
     prof = cProfile.Profile()
@@ -128,7 +125,7 @@ def profile_hooks(round_, resolved) -> tuple[int, list[tuple[str, float, float, 
 
         return hook
 
-    steps = len(round_("cprofile", overhead.wrapped_hooks(resolved, profiled)))
+    steps = len(round_("cprofile", overhead.wrapped_hooks(resolved, profiled), run_dir))
     top = sorted(pstats.Stats(prof).stats.items(), key=lambda kv: -kv[1][2])[:40]
     return steps, [(f"{Path(f).name}:{line}({fn})" if line else fn, calls / steps, tt / steps * 1e6, ct / steps * 1e6)
                    for (f, line, fn), (_, calls, tt, ct, _) in top]
@@ -154,8 +151,8 @@ def main() -> None:
     result: dict = {"engine": shapes, "hardware": overhead.hardware(), "pin": tag}
     print(f"engine: {shapes}", flush=True)
 
-    def round_(tag_, probes=None):
-        wall, _ = overhead.run_round(engine, reqs, SamplingParams, tag_, temperature, probes)
+    def round_(tag_, probes=None, run_dir=None):
+        wall, _ = overhead.run_round(engine, reqs, SamplingParams, tag_, temperature, probes, run_dir)
         return wall
 
     round_("warmup")
@@ -168,10 +165,10 @@ def main() -> None:
         print(f"  {x:6.0f} us -> {statistics.mean(vs):.3f} ms ({', '.join(f'{v:.3f}' for v in vs)})"
               + (f"  ratio {statistics.mean(vs) / base:.3f}" if base else ""), flush=True)
 
-    with tempfile.TemporaryDirectory() as tmp, overhead.recording(tmp):  # one helper for the three traced rounds
-        round_("warmup-traced", resolved)
-        steps, hooks, sections = measure_sections(round_, resolved)
-        psteps, rows = profile_hooks(round_, resolved)
+    with tempfile.TemporaryDirectory() as tmp:
+        round_("warmup-traced", resolved, tmp)
+        steps, hooks, sections = measure_sections(round_, resolved, tmp)
+        psteps, rows = profile_hooks(round_, resolved, tmp)
     result.update(steps_per_round=steps, hooks_us_per_step=hooks, hooks_total_us_per_step=round(sum(hooks.values()), 1),
                   sections_us_per_step=sections)
     print(f"hooks: {sum(hooks.values()):.0f} us per step over {steps} steps")

@@ -9,11 +9,15 @@ sequence lengths, query offsets, block-table rows and the slot mapping.
 
 from __future__ import annotations
 
+import operator
+from bisect import bisect_left
+
 import numpy as np
 
 from ..trace.writer import RECORDER as R
 from . import capture
 from .base import Probe
+from .runner import int_list
 
 PINS = ("v0.32.0",)
 CPU_ATTN = "vllm.v1.attention.backends.cpu_attn"
@@ -29,17 +33,100 @@ def _np(t):
     return t.numpy() if t.is_cpu else t.cpu().numpy()
 
 
-def _host_block_table(md):
-    """The runner's block table when the kernel's slot mapping and block-table rows follow from the runner's
-    host state (see worker_records): CUDA, one KV-cache group, no context parallelism. None: read the
-    metadata's own tensors."""
-    runner = R.host_runner
-    if runner is None or md.slot_mapping.is_cpu:
+FEW_ROWS = 32  # a decode step's changed rows: up to this many, row by row costs less than numpy's calls over them
+
+
+def _trim_rows(table: np.ndarray, rows: list[int] | None = None) -> list[list[int]]:
+    """Block-table rows (the listed ones, ascending, else all) without their trailing zeros.
+
+    Rows are padded with 0, upstream's null block, which no request owns.
+    """
+    if rows is None:
+        rows = range(len(table))
+    if len(rows) <= FEW_ROWS or table.size == 0:  # row by row: no fancy indexing or per-call numpy costs
+        # A row's bytes without their trailing zero bytes end inside its last non-zero block (little or big
+        # endian alike: that block has a non-zero byte, all later blocks are zero): converted up to there only.
+        size = table.itemsize
+        return [row[: -(-len(row.tobytes().rstrip(b"\0")) // size)].tolist() for row in map(table.__getitem__, rows)]
+    if len(rows) < len(table):
+        table = table[rows]
+    nonzero = table != 0
+    widths = np.where(np.logical_or.reduce(nonzero, axis=1), table.shape[1] - nonzero[:, ::-1].argmax(axis=1), 0)
+    trimmed = table[:, : int(np.maximum.reduce(widths))].tolist()  # convert only the used columns
+    return list(map(operator.getitem, trimmed, map(slice, widths.tolist())))  # row[:w], without a Python loop
+
+
+def _block_rows(table: np.ndarray, zero_rows: int = 0) -> dict:
+    """The block-table fields of this step's attention record: the rows that differ
+    from the previous record's (see schema.AttentionRecord.block_table_since).
+
+    `table` holds the batch's rows; `zero_rows` more rows of 0 follow it (a CUDA graph's
+    padding rows, zero on the GPU and stale on the host: never copied to be zeroed).
+    In decode steps a few rows change per step (a request crossing a block boundary,
+    a finished request's row refilled). The table is a view of the engine's buffer:
+    the comparison base is a copy of the previous record's rows, kept across steps and
+    updated in place on the changed rows (one pass over the table per step, no copy of it).
+    """
+    real, cols = table.shape
+    num_rows = real + zero_rows
+    prev = R.attn_prev_table
+    if prev is None or prev[1].shape[1] != cols:
+        base = np.zeros((num_rows, cols), table.dtype)
+        base[:real] = table
+        R.attn_prev_table = (R.worker_step, base, num_rows)
+        return {"block_table": _trim_rows(table) + [[] for _ in range(zero_rows)], "block_table_since": None,
+                "block_table_rows": None}
+    since, base, seen = prev
+    n = min(seen, real)
+    # ufunc and method calls, not np.any / np.flatnonzero: their Python wrappers cost more than the work here
+    rows = np.logical_or.reduce(table[:n] != base[:n], axis=1).nonzero()[0].tolist()
+    if zero_rows and real < seen:  # padding now where the previous record had rows: changed unless those were 0
+        rows += (np.logical_or.reduce(base[real : min(seen, num_rows)] != 0, axis=1).nonzero()[0] + real).tolist()
+    rows.extend(range(seen, num_rows))  # rows the previous record did not have
+    if len(base) < num_rows:
+        base = np.concatenate([base, np.zeros((num_rows - len(base), cols), base.dtype)])
+    cut = bisect_left(rows, real)  # rows[:cut] are the batch's, the rest padding
+    if cut:
+        base[rows[:cut]] = table[rows[:cut]]
+    if cut < len(rows):
+        base[rows[cut:]] = 0
+    R.attn_prev_table = (R.worker_step, base, num_rows)
+    trimmed = _trim_rows(table, rows[:cut]) + [[] for _ in range(len(rows) - cut)]
+    return {"block_table": trimmed, "block_table_since": since, "block_table_rows": rows}
+
+
+def _host_tables(md, pending: dict | None):
+    """(runner, request index per token, positions) left by runner.py's prepare_inputs probe
+    when the kernel's slot mapping and block table follow from the runner's host state: CUDA,
+    one KV-cache group, no context parallelism. None: read the metadata's own tensors."""
+    host = pending.get("host") if pending is not None else None
+    if host is None or md.slot_mapping.is_cpu:
         return None
-    tables = runner.input_batch.block_table.block_tables
+    tables = host[0].input_batch.block_table.block_tables
     if len(tables) != 1 or getattr(tables[0], "pcp_world_size", 1) * getattr(tables[0], "dcp_world_size", 1) != 1:
         return None
-    return tables[0]
+    return host
+
+
+def _host_view(host, cm, num_reqs: int, n: int):
+    """Slot mapping, block-table rows and sequence lengths as v0.21.0 computes them on the GPU
+    (block_table._compute_slot_mapping_kernel: block id * block size + offset, PAD_SLOT_ID -1
+    past the scheduled tokens), from the host copies it computes them from: (slots, the
+    batch's block-table rows, how many rows of 0 follow them, sequence lengths). Rows past
+    the batch (CUDA-graph padding) hold the null block 0 on the GPU, stale rows on the host."""
+    runner, req_indices, positions = host
+    bt = runner.input_batch.block_table.block_tables[0]
+    batch = min(runner.input_batch.num_reqs, num_reqs)
+    table = bt.block_table.np[:batch]
+    size = bt.block_size
+    index, offset = np.divmod(positions, size)
+    slots = bt.block_table.np[req_indices, index].astype(np.int64)
+    slots *= size
+    slots += offset
+    if n > len(slots):  # tokens past the scheduled ones (padding): PAD_SLOT_ID
+        slots = np.concatenate([slots, np.full(n - len(slots), -1, np.int64)])
+    seq_lens = cm._seq_lens_cpu if getattr(cm, "_seq_lens_cpu", None) is not None else runner.optimistic_seq_lens_cpu
+    return slots, table, num_reqs - batch, seq_lens.numpy()[:num_reqs]
 
 
 def _layers(builder) -> list[dict]:
@@ -61,61 +148,44 @@ def _layers(builder) -> list[dict]:
     return R.layers_info
 
 
-def _build_after(token, md, self, common_prefix_len, common_attn_metadata, *a, layout=None, probe=None, **kw):
+def _build_after(token, md, self, common_prefix_len, common_attn_metadata, *a, layout=None, **kw):
     if not R.in_execute:
         return  # warm-up and dummy runs are not engine steps
-    cm = common_attn_metadata
-    num_reqs = cm.num_reqs
+    num_reqs = common_attn_metadata.num_reqs
     n = md.num_actual_tokens
-    static = R.attn_static.get(id(self)) or _static(self, layout, probe or build)
+    # CPU backend: the tensors live in host memory; numpy views slice far cheaper than torch.
     # The query offsets' host copy (both pins keep one) spares a CUDA run a device-to-host sync.
-    qsl = _np(cm.query_start_loc_cpu)[: num_reqs + 1]
-    bt = _host_block_table(md)
-    if bt is None:
-        # CPU backend: the tensors live in host memory; numpy views slice far cheaper than torch.
-        table = _np(md.block_table)[:num_reqs]
-        header = ["attention", R.proc_dict("worker"), R.worker_step, static, num_reqs, n, 0, num_reqs, 0, table.shape[1], table.shape[1]]
-        arrays = [qsl, _np(md.seq_lens)[:num_reqs], table, _np(md.slot_mapping)[:n]]
+    qsl = _np(common_attn_metadata.query_start_loc_cpu)[: num_reqs + 1]
+    host = _host_tables(md, R.runner_pending)
+    if host is None:
+        slots = _np(md.slot_mapping)[:n]
+        table, zero_rows = _np(md.block_table)[:num_reqs], 0
+        seq_lens = _np(md.seq_lens)[:num_reqs]
     else:
-        tail, arrays = _host_arrays(R.host_runner, bt, cm, num_reqs)
-        header = ["attention", R.proc_dict("worker"), R.worker_step, static, num_reqs, n, *tail]
-        arrays.insert(0, qsl)
-    R.send(header, arrays)  # the runner record that completes the step flushes both
-    if R.capture:  # no helper then: the record was made here
-        capture.note_slots(R.worker.slots.tolist())
-
-
-def _host_arrays(runner, bt, cm, num_reqs: int) -> tuple[list, list]:
-    """v0.21.0 on CUDA: an attention message's host-mode fields (block size, batch rows, padding rows, row
-    length, columns sent) and arrays: the sequence lengths' host copy and the block-table rows the GPU copy
-    was made from (the batch's; rows past it, a CUDA graph's padding, are 0 on the GPU and stale here).
-
-    Only the columns a block id was ever written to are sent (the rest are 0): upstream writes a row's ids
-    at its first num_blocks_per_row columns and leaves older ids past them (stale, but what the GPU gets),
-    so every non-zero lies left of the widest row seen so far, at any step since the table was first read."""
-    rows = runner.input_batch.num_reqs
-    batch = min(rows, num_reqs)
-    seq_lens = cm._seq_lens_cpu if getattr(cm, "_seq_lens_cpu", None) is not None else runner.optimistic_seq_lens_cpu
-    table = bt.block_table.np
-    width = R.attn_width.get(id(table))
-    if width is None:  # first read: the columns holding any id now
-        used = np.logical_or.reduce(table != 0, axis=0).nonzero()[0]
-        width = int(used[-1]) + 1 if len(used) else 0
-    width = R.attn_width[id(table)] = max(width, int(bt.num_blocks_per_row.max()))
-    fields = [bt.block_size, batch, num_reqs - batch, table.shape[1], width]
-    return fields, [seq_lens.numpy()[:num_reqs], table[:rows, :width]]
-
-
-def _static(builder, layout: str | None, probe: Probe) -> list:
-    """The attention record's fields that do not change between steps, then the probe's name and target
-    (a probe error raised while the record is made names them)."""
-    spec = getattr(builder, "kv_cache_spec", None)
-    static = R.attn_static[id(builder)] = [
-        type(builder).__name__.removesuffix("MetadataBuilder"), layout or _layout(builder), getattr(builder, "isa", None),
-        _layers(builder), len(builder.layer_names), getattr(spec, "num_kv_heads", None), getattr(spec, "head_size", None),
-        probe.name, probe.target,
-    ]
-    return static
+        slots, table, zero_rows, seq_lens = _host_view(host, common_attn_metadata, num_reqs, n)
+    if R.runner_pending is not None:
+        R.runner_pending["slot_mapping"] = int_list(slots)
+    if R.capture:
+        capture.note_slots(slots.tolist())
+    R.write(  # a schema.AttentionRecord, as a dict (see Recorder.write)
+        {
+            "step": R.worker_step,
+            "proc": R.proc_dict("worker"),
+            "kind": "attention",
+            "backend": type(self).__name__.removesuffix("MetadataBuilder"),
+            "layout": layout or _layout(self),
+            "isa": getattr(self, "isa", None),
+            "num_reqs": num_reqs,
+            "seq_lens": seq_lens.tolist(),
+            "query_lens": (qsl[1:] - qsl[:-1]).tolist(),
+            **_block_rows(table, zero_rows),
+            "layers": _layers(self),
+            "num_layers": len(self.layer_names),
+            "num_kv_heads": getattr(getattr(self, "kv_cache_spec", None), "num_kv_heads", None),
+            "head_size": getattr(getattr(self, "kv_cache_spec", None), "head_size", None),
+        },
+        flush=False,  # the runner record completes the step: one write() for both
+    )
 
 
 _layouts: dict[int, str | None] = {}
@@ -163,9 +233,9 @@ def build_probe(backend: str, target: str, pins: tuple[str, ...] = CUDA_PINS, pl
         kw.pop("fast_build", None)
         if not layout:
             layout.append(_profile_layout(backend))
-        _build_after(token, md, self, common_prefix_len, common_attn_metadata, layout=layout[0], probe=probe)
+        _build_after(token, md, self, common_prefix_len, common_attn_metadata, layout=layout[0])
 
-    probe = Probe(
+    return Probe(
         name="attention.build",
         target=target,
         params=("self", "common_prefix_len", "common_attn_metadata", "fast_build"),
@@ -176,7 +246,6 @@ def build_probe(backend: str, target: str, pins: tuple[str, ...] = CUDA_PINS, pl
         backend=backend,
         platform=platform,
     )
-    return probe
 
 
 PROBES = [

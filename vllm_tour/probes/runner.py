@@ -9,12 +9,30 @@ metadata build (slot mapping, see attention.py) and `sample_tokens` (sampled ids
 
 from __future__ import annotations
 
+import numpy as np
+
+from ..trace.schema import int_digest
 from ..trace.writer import RECORDER as R
+from ..trace.writer import user_req_id
 from . import capture
 from .base import Probe
-from .worker_records import RUNNER
 
 PINS = ("v0.32.0", "v0.21.0")
+RUNNER = "vllm.v1.worker.gpu_model_runner.GPUModelRunner"  # the CPU runner inherits these
+FULL_LIMIT = 256  # lists longer than this are summarized
+EDGE = 16
+
+
+def int_list(values) -> dict:
+    """A schema.IntList as a dict, from a 1-D integer numpy array (a copy or a view read now):
+    in full up to FULL_LIMIT values, else summarized (head, tail, digest of the buffer)."""
+    n = len(values)
+    if n <= FULL_LIMIT:
+        return {"full": values.tolist(), "length": n, "head": [], "tail": [], "sha256": None}
+    return {"full": None, "length": n, "head": values[:EDGE].tolist(), "tail": values[-EDGE:].tolist(), "sha256": int_digest(values)}
+
+
+_EMPTY = {"full": [], "length": 0, "head": [], "tail": [], "sha256": None}  # a schema.IntList; encoded, never mutated
 
 
 def _tp_rank() -> int:
@@ -31,8 +49,7 @@ def _execute_before(self, scheduler_output, *a, **kw):
         R.rank = _tp_rank()
     R.worker_step += 1
     R.in_execute = True
-    R.runner_pending = (R.worker_step, scheduler_output.total_num_scheduled_tokens)
-    R.host_runner = None
+    R.runner_pending = {"step": R.worker_step, "num_tokens": scheduler_output.total_num_scheduled_tokens}
 
 
 def _execute_after(token, result, self, *a, **kw):
@@ -46,13 +63,32 @@ def _flush(output) -> None:
     if p is None:
         R.flush()  # an attention record written without its runner record still reaches the file
         return
+    sampled: dict[str, list[int]] = {}
     ids = getattr(output, "req_ids", None)
     tokens = getattr(output, "sampled_token_ids", None)
-    if not (ids and isinstance(tokens, list)):  # async outputs are not read: that would sync
-        ids = tokens = None
-    # Handed over (encoded, or made into the record) before this hook returns: no reference into the output outlives it.
-    R.send(["finish", R.proc_dict("worker"), p[0], p[1], ids, tokens], [], flush=True)
-    capture.flush(p[0])
+    if ids and isinstance(tokens, list):  # async outputs are not read: that would sync
+        # Encoded before this hook returns, so no reference into the output outlives it.
+        sampled = dict(zip(map(user_req_id, ids), tokens))
+    req_ids = p.get("req_ids", [])
+    user_ids = list(sampled) if ids == req_ids and len(sampled) == len(req_ids) else list(map(user_req_id, req_ids))
+    R.write(  # a schema.RunnerRecord, as a dict (see Recorder.write)
+        {
+            "step": p["step"],
+            "proc": R.proc_dict("worker"),
+            "kind": "runner",
+            "num_tokens": p["num_tokens"],
+            "req_ids": user_ids,
+            "num_scheduled_tokens": p.get("num_scheduled_tokens", []),
+            "input_ids": p.get("input_ids") or _EMPTY,
+            "positions": p.get("positions") or _EMPTY,
+            "query_start_loc": p.get("query_start_loc", []),
+            "seq_lens": p.get("seq_lens", []),
+            "slot_mapping": p.get("slot_mapping") or _EMPTY,
+            "logits_indices": p.get("logits_indices", []),
+            "sampled_token_ids": sampled,
+        }
+    )
+    capture.flush(p["step"])
 
 
 execute_model = Probe(
@@ -68,36 +104,22 @@ execute_model = Probe(
 
 
 def _prepare_after(result, out, self, scheduler_output, num_scheduled_tokens, *a, **kw):
-    if R.runner_pending is None:
+    p = R.runner_pending
+    if p is None:
         return
     n = scheduler_output.total_num_scheduled_tokens
     num_reqs = self.input_batch.num_reqs
-    # num_scheduled_tokens: upstream's own per-request counts in batch order
-    arrays = [num_scheduled_tokens, _array(self.input_ids.cpu, n), self.query_start_loc.cpu.numpy()[: num_reqs + 1]]
-    header = ["prepare", R.proc_dict("worker"), R.worker_step, self.input_batch.req_ids[:num_reqs], "tensors", False, True]
+    p["req_ids"] = list(self.input_batch.req_ids[:num_reqs])
+    # upstream's own per-request counts in batch order (scheduler_output.num_scheduled_tokens[i] for i in req_ids)
+    p["num_scheduled_tokens"] = num_scheduled_tokens.tolist()
+    p["input_ids"] = int_list(_array(self.input_ids.cpu, n))
     if self.positions.is_cpu:  # the CPU runner: every buffer below is a host tensor
-        arrays += (self.positions.numpy()[:n], self.seq_lens.numpy()[:num_reqs], out[0].numpy())
-    elif not _host_exact(self):
-        arrays += (_array(self.positions, n), _array(self.seq_lens, num_reqs), out[0].cpu().numpy())
+        p["positions"] = int_list(self.positions.numpy()[:n])
+        p["seq_lens"] = _values(self.seq_lens, num_reqs)
+        p["logits_indices"] = _values(out[0], None)
     else:
-        # CUDA: the same values from the runner's host state, not copied back from the GPU (each copy a
-        # device sync that also stalls async scheduling); worker_records computes them.
-        header[5:], host = _host_arrays(self, out, n, num_reqs)
-        header[4] = "host"
-        arrays += host
-        R.host_runner = self  # attention.py reads its block table
-    R.send(header, arrays)
-
-
-def _host_arrays(runner, out, n: int, num_reqs: int) -> tuple[list, list]:
-    """A prepare message's host-mode flags (decode, logits indices given) and arrays (see worker_records)."""
-    decode = n == num_reqs  # one token per request
-    arrays = [runner.input_batch.num_computed_tokens_cpu[:num_reqs], runner.optimistic_seq_lens_cpu.numpy()[:num_reqs]]
-    if not decode:
-        arrays.append(runner.query_pos.np[:n])
-    if out[1] is not None:  # speculative decoding: the indices as upstream made them
-        arrays.append(out[0].cpu().numpy())
-    return [decode, out[1] is not None], arrays
+        _device_after(p, self, out, num_scheduled_tokens, num_reqs, n)
+    p["query_start_loc"] = _values(self.query_start_loc.cpu, num_reqs + 1)
 
 
 def _host_exact(runner) -> bool:
@@ -113,9 +135,40 @@ def _host_exact(runner) -> bool:
     )
 
 
+def _device_after(p: dict, runner, out, num_scheduled, num_reqs: int, n: int) -> None:
+    """CUDA: the same values from the runner's host state, not copied back from the GPU
+    (each copy a device sync that also stalls async scheduling). Falls back to the
+    device copy where the host state does not determine them."""
+    if not _host_exact(runner):
+        p["positions"] = int_list(_array(runner.positions, n))
+        p["seq_lens"] = _values(runner.seq_lens, num_reqs)
+        p["logits_indices"] = _values(out[0], None)
+        return
+    computed = runner.input_batch.num_computed_tokens_cpu
+    if n == num_reqs:  # one token per request (a decode step): token i is request i's, at its computed length
+        req_indices = np.arange(num_reqs)
+        positions = computed[:num_reqs].astype(np.int64)
+    else:
+        req_indices = np.repeat(np.arange(num_reqs), num_scheduled)
+        positions = computed[req_indices].astype(np.int64) + runner.query_pos.np[:n]
+    p["positions"] = int_list(positions)
+    p["seq_lens"] = runner.optimistic_seq_lens_cpu.numpy()[:num_reqs].tolist()
+    if out[1] is None:  # no speculative decoding: upstream's query_start_loc[1:] - 1
+        p["logits_indices"] = (runner.query_start_loc.np[1 : num_reqs + 1] - 1).tolist()
+    else:
+        p["logits_indices"] = _values(out[0], None)
+    p["host"] = (runner, req_indices, positions)  # attention.py's slot mapping and block table
+
+
 def _array(t, n: int):
     """The first n values of a tensor as numpy: a view in host memory, one copy from a GPU."""
     return t.numpy()[:n] if t.is_cpu else t[:n].cpu().numpy()
+
+
+def _values(t, n: int | None) -> list[int]:
+    """The first n values of a tensor as a new list: through a numpy view in host
+    memory (far cheaper than torch slicing), one copy from a GPU."""
+    return t.numpy()[:n].tolist() if t.is_cpu else t[:n].cpu().tolist()
 
 
 prepare_inputs = Probe(

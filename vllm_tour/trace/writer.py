@@ -1,24 +1,20 @@
-"""The per-process trace writer: one JSON Lines file per process, flushed once per step.
+"""The per-process trace writer: one JSON Lines file per process, flushed per record.
 
 Every vLLM process of a traced run (front end, EngineCore, each worker) gets one
 `Recorder`. It is switched on by `activate()` — from the environment in child
 processes (the plugin), directly by `run_upstream` in-process — and holds the
-step counters and the small per-step scratch state the probes share. A flush
-hands the step to the process's spool helper (spool.py), or writes it here.
+step counters and the small per-step scratch state the probes share.
 """
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
+import re
 from pathlib import Path
 
 import msgspec
 
-from ..probes.worker_records import WorkerRecords
-from . import spool
-from .req_ids import MAX_CACHED_IDS, user_req_id  # noqa: F401 - imported from here by the probes
 from .schema import Proc, ProbeErrorRecord, ProbeTargetRecord
 
 RUN_DIR_ENV = "VLLM_TOUR_RUN_DIR"
@@ -26,9 +22,31 @@ CAPTURE_ENV = "VLLM_TOUR_CAPTURE"  # comma-separated capture names
 CAPTURE_STEPS_ENV = "VLLM_TOUR_CAPTURE_STEPS"  # "1-3,7"; empty: every step
 FAULT_ENV = "VLLM_TOUR_FAULT"  # a probe name: that probe raises (tests)
 
+# Upstream's input processor makes request ids unique by appending
+# "-<8 hex chars>"; traces use the ids the user gave.
+_SUFFIX = re.compile(r"-[0-9a-f]{8}$")
+
+
 # This process's id, read once (getpid() is a system call, four records a step ask for it) and again in a
 # forked child.
 _PID = [os.getpid()]
+os.register_at_fork(after_in_child=lambda: _PID.__setitem__(0, os.getpid()))
+
+MAX_CACHED_IDS = 4096  # more than a batch holds: cleared at most once per ~4,000 new requests
+
+
+class _UserIds(dict):
+    """internal id -> user id, computed once per id (a C-level dict lookup on hits)."""
+
+    def __missing__(self, internal_id: str) -> str:
+        if len(self) >= MAX_CACHED_IDS:  # bounded: a long traced run sees many ids once each (~200 B each)
+            self.clear()
+        user = self[internal_id] = _SUFFIX.sub("", internal_id)
+        return user
+
+
+# user_req_id(internal_id) -> the id the user gave; hot paths map() it over a batch's ids.
+user_req_id = _UserIds().__getitem__
 
 
 def parse_steps(spec: str) -> set[int] | None:
@@ -53,9 +71,6 @@ class Recorder:
         self._file = None
         self._pending: list[bytes] = []  # encoded lines of this step not yet written (see write)
         self._procs: dict[tuple, dict] = {}
-        self._spool: spool.Spool | None = None  # the helper writing this activation's records, once started
-        self._spooled = False  # records go through a helper (decided at activation, see spool.wanted)
-        self.helper_cpu_s = 0.0  # CPU time of this process's helpers that exited (benchmarks report it)
         self.reset_counters()
 
     def reset_counters(self) -> None:
@@ -72,12 +87,9 @@ class Recorder:
         self.kv_pending_evicted: list[int] = []
         self.preempted: list = []
         self.sched_prev = None  # the previous scheduler record's (internal ids, user ids, prompts, all "running", prefill)
-        self.runner_pending = None  # (step, tokens scheduled) of the worker step under way
-        self.host_runner = None  # its model runner, when its prepare message gave the host state (runner.py)
-        self.attn_static: dict[int, list] = {}  # id(metadata builder) -> its attention record's fixed fields
-        self.attn_width: dict[int, int] = {}  # id(a runner's host block table) -> columns ever written (attention.py)
+        self.runner_pending = None
         self.layers_info = None
-        self.worker = WorkerRecords()  # builds the runner and attention records here when there is no helper
+        self.attn_prev_table = None  # (step, copy of the block-table rows the previous attention record saw in its first rows, their count)
         self.captures: dict[str, object] = {}
         self.capture_meta: dict[str, dict] = {}
 
@@ -88,7 +100,6 @@ class Recorder:
         self.capture_steps = parse_steps(capture_steps)
         self.fault = fault or None
         self.reset_counters()
-        self._spooled = spool.wanted(self.capture)
         self.active = True
 
     def activate_from_env(self) -> bool:
@@ -107,17 +118,10 @@ class Recorder:
     def close(self) -> None:
         if self._pending and self.run_dir is not None:
             self.flush()
-        if self._spool is not None:
-            self._without_helper(self._spool.close())
         if self._file is not None:
-            self._file.close()  # releases the lock readers wait on (spool.wait_for_writers)
+            self._file.close()
             self._file = None
         self._pending = []
-
-    def forked(self) -> None:
-        """In a forked child: the parent's file and helper are the parent's (the child opens its own)."""
-        _PID[0] = os.getpid()
-        self._file, self._spool, self._pending = None, None, []
 
     def proc(self, role: str) -> Proc:
         return Proc(role=role, pid=os.getpid(), rank=self.rank if role == "worker" else 0)
@@ -150,63 +154,19 @@ class Recorder:
         if flush:
             self.flush()
 
-    def send(self, header: list, arrays: list, flush: bool = False) -> None:
-        """A worker hook's read of the step (probes/worker_records.py): to the helper as it is, the arrays
-        copied into its ring now (the engine reuses its buffers); without a helper, made into records here."""
-        if self._spooled and self._spool_ready():
-            if self._spool.put(*spool.frames(self._pending, header, arrays)):
-                self._pending = []
-                return
-            self._without_helper(self._spool.leftovers())
-        self._pending += map(_encode, self.worker.handle(header, arrays))
-        if flush:
-            self.flush()
-
     def flush(self) -> None:
-        """Hand the pending lines to the helper, or write them (one write() call, whole lines only)."""
+        """Write the pending lines (one write() call, whole lines only)."""
         if not self._pending:
             return
-        if self._spooled and self._spool_ready():
-            if self._spool.put(*spool.frames(self._pending)):
-                self._pending = []
-                return
-            self._without_helper(self._spool.leftovers())
-        self._open()
-        self._pending.append(b"")
-        data, self._pending = b"\n".join(self._pending), []
-        self._file.write(data)
-
-    def _open(self) -> None:
         if self._file is None:
             assert self.run_dir is not None
             path = self.run_dir / f"records.{os.getpid()}.jsonl"
-            # Unbuffered append, one write() per step: each record reaches the file as a whole line at
-            # once, so a killed run leaves a readable trace. Locked until closed: see spool.wait_for_writers.
+            # Unbuffered append, one write() per step: each record reaches the
+            # file as a whole line at once, so a killed run leaves a readable trace.
             self._file = open(path, "ab", buffering=0)
-            fcntl.flock(self._file.fileno(), fcntl.LOCK_EX)
-
-    def helper_cpu(self) -> float:
-        """CPU seconds of this process's spool helpers so far (benchmarks report it)."""
-        return self.helper_cpu_s + (self._spool.cpu_time() if self._spool is not None else 0.0)
-
-    def _spool_ready(self) -> bool:
-        """Whether a helper takes this flush (started at the first one)."""
-        if self._spool is None:
-            self._open()
-            try:
-                self._spool = spool.Spool(self._file.fileno())
-            except OSError:  # no helper: the records are written here
-                self._spooled = False
-                return False
-        return True
-
-    def _without_helper(self, leftovers: list[bytes]) -> None:
-        """The helper is gone: write what it left in the ring, and from now on write here."""
-        self.helper_cpu_s += self._spool.cpu_s
-        self._spool, self._spooled = None, False
-        if leftovers:
-            self._open()
-            self._file.write(b"".join(spool.process(m, self.worker) for m in leftovers))
+        self._pending.append(b"")
+        data, self._pending = b"\n".join(self._pending), []
+        self._file.write(data)
 
     def probe_error(self, probe, error: Exception, tb: str) -> None:
         try:
@@ -251,7 +211,6 @@ _encode = msgspec.json.Encoder().encode
 
 
 RECORDER = Recorder()
-os.register_at_fork(after_in_child=RECORDER.forked)
 
 
 def write_json_atomic(path: Path, data: dict) -> None:
