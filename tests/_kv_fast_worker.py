@@ -87,8 +87,8 @@ resolved = [r for r in check_probes(tag, backend=None, tp_size=1) if not r.probe
 # 64 tokens a step: prompts are prefilled in chunks while the same requests keep running
 engine = LLMEngine.from_engine_args(EngineArgs(
     model=str(resolve_model("tiny-qwen3")), dtype="float32", block_size=32, kv_cache_memory_bytes=64 << 20,
-    num_gpu_blocks_override=32, max_model_len=512, enforce_eager=True, enable_prefix_caching=True, max_num_seqs=16, max_num_batched_tokens=64,
-    disable_log_stats=True, use_tqdm_on_load=False, seed=0))
+    num_gpu_blocks_override=32, max_model_len=512, enforce_eager=True, enable_prefix_caching=True, max_num_seqs=16,
+    max_num_batched_tokens=64, disable_log_stats=True, use_tqdm_on_load=False, seed=0))
 rng = random.Random(0)
 head = [rng.randrange(5, 500) for _ in range(64)]
 reqs = [(head[: rng.randrange(20, 64)] + [rng.randrange(5, 500) for _ in range(rng.randrange(1, 40))], rng.randrange(8, 160))
