@@ -42,7 +42,8 @@ def _scheduled(self, out) -> tuple[dict, dict[str, int]]:
 
     Written for speed (it runs for every request every step): column by column,
     with C-level map() where a column is one lookup per request; only the requests
-    admitted this step get a closer look (their kind).
+    admitted this step get a closer look (their kind), and a step that runs the previous
+    step's requests in the same order reuses that record's ids, kinds and prompt lengths.
     """
     cached = out.scheduled_cached_reqs
     new_reqs = out.scheduled_new_reqs
@@ -50,44 +51,41 @@ def _scheduled(self, out) -> tuple[dict, dict[str, int]]:
     computed = [nr.num_computed_tokens for nr in new_reqs] + list(cached.num_computed_tokens)
     reqs = list(map(self.requests.__getitem__, rids))
     n_sched = out.num_scheduled_tokens
-    columns = {
-        "req_id": None,
-        "kind": None,
-        "num_scheduled_tokens": list(map(n_sched.__getitem__, rids)),
-        "num_computed_tokens": computed,
-        "num_prompt_tokens": None,
-        "num_output_tokens": list(map(len, map(_outputs, reqs))),
-        "is_prefill": None,
-    }
     prev = R.sched_prev
+    admitted = {}
     if prev is not None and not new_reqs and not cached.resumed_req_ids and rids == prev[0]:
         # The same requests in the same order as at the previous step (a decode step), all running now: their
         # ids and prompt lengths are the previous record's; a request out of its prefill stays out of it.
         _, uids, prompts, kinds, was_prefill = prev
         prefill = _prefill(computed, prompts, reqs) if True in was_prefill else was_prefill
-        columns.update(req_id=uids, kind=kinds, num_prompt_tokens=prompts, is_prefill=prefill)
-        R.sched_prev = (rids, uids, prompts, kinds, prefill)
-        return columns, {}
-    prompts = list(map(_prompt_len, reqs))
-    prefill = _prefill(computed, prompts, reqs)
-    uids = list(map(user_req_id, rids))
-    kinds = ["running"] * len(rids)
-    admitted = {}
-    # Every pin builds the cached requests from the ones it scheduled out of its running queue, then the
-    # preempted ones it resumed (named in resumed_req_ids); a request from the waiting queue that is not
-    # a resumed one is new, or resumed when it was preempted before (the v2 model runner sends those as new).
-    resumed_ids = cached.resumed_req_ids
-    n_new = len(new_reqs)
-    for i in range(n_new):
-        kinds[i] = "resumed" if reqs[i].num_preemptions > 0 else "new"
-        admitted[uids[i]] = computed[i]
-    if resumed_ids:
-        for i in range(n_new, len(rids)):
-            if rids[i] in resumed_ids:
-                kinds[i] = "resumed"
-                admitted[uids[i]] = computed[i]
-    columns.update(req_id=uids, kind=kinds, num_prompt_tokens=prompts, is_prefill=prefill)
+    else:
+        prompts = list(map(_prompt_len, reqs))
+        prefill = _prefill(computed, prompts, reqs)
+        uids = list(map(user_req_id, rids))
+        kinds = ["running"] * len(rids)
+        # Every pin builds the cached requests from the ones it scheduled out of its running queue, then the
+        # preempted ones it resumed (named in resumed_req_ids); a request from the waiting queue that is not
+        # a resumed one is new, or resumed when it was preempted before (the v2 model runner sends those as new).
+        resumed_ids = cached.resumed_req_ids
+        n_new = len(new_reqs)
+        for i in range(n_new):
+            kinds[i] = "resumed" if reqs[i].num_preemptions > 0 else "new"
+            admitted[uids[i]] = computed[i]
+        if resumed_ids:
+            for i in range(n_new, len(rids)):
+                if rids[i] in resumed_ids:
+                    kinds[i] = "resumed"
+                    admitted[uids[i]] = computed[i]
     R.sched_prev = (rids, uids, prompts, ["running"] * len(rids) if admitted else kinds, prefill)
+    columns = {
+        "req_id": uids,
+        "kind": kinds,
+        "num_scheduled_tokens": list(map(n_sched.__getitem__, rids)),
+        "num_computed_tokens": computed,
+        "num_prompt_tokens": prompts,
+        "num_output_tokens": list(map(len, map(_outputs, reqs))),
+        "is_prefill": prefill,
+    }
     return columns, admitted
 
 

@@ -124,7 +124,7 @@ class Recorder:
         self._pending = []
 
     def proc(self, role: str) -> Proc:
-        return Proc(role=role, pid=os.getpid(), rank=self.rank if role == "worker" else 0)
+        return Proc(role=role, pid=_PID[0], rank=self.rank if role == "worker" else 0)
 
     def proc_dict(self, role: str) -> dict:
         """A schema.Proc as a dict (hot paths): one per (role, pid, rank), encoded, never mutated."""
