@@ -76,9 +76,10 @@ from vllm import EngineArgs, SamplingParams  # noqa: E402
 from vllm.v1.engine.llm_engine import LLMEngine  # noqa: E402
 
 from vllm_tour.bench.overhead import run_round  # noqa: E402
-from vllm_tour.models import resolve_model  # noqa: E402
-from vllm_tour.pins import active_pin_tag  # noqa: E402
-from vllm_tour.probes.install import PIN_ENV, check_probes  # noqa: E402
+from vllm_tour.upstream.models import resolve_model  # noqa: E402
+from vllm_tour.upstream.pins import active_pin_tag  # noqa: E402
+from vllm_tour.probes.run_env import PIN_ENV  # noqa: E402
+from vllm_tour.probes.install import check_probes  # noqa: E402
 
 tag = active_pin_tag()
 os.environ[PIN_ENV] = tag

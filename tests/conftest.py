@@ -36,7 +36,7 @@ class _TraceRuns:
     def get(self, name: str, probes: bool = True, **kw):
         from vllm_tour.paths import SCENARIOS_DIR
         from vllm_tour.scenario import load_scenario
-        from vllm_tour.upstream_run import run_upstream
+        from vllm_tour.engine.run import run_upstream
 
         key = (name, probes, tuple(sorted((k, str(v)) for k, v in kw.items())))
         if key not in self._cache:

@@ -11,8 +11,8 @@ from vllm_tour.cli import app
 from vllm_tour.compare.upstream import upstream_run_for
 from vllm_tour.paths import SCENARIOS_DIR
 from vllm_tour.scenario import load_scenario
-from vllm_tour.source import proofs, verify
-from vllm_tour.source.annotations import all_notes, load_all
+from vllm_tour.notes import proofs, verify
+from vllm_tour.notes.annotations import all_notes, load_all
 from vllm_tour.trace.reader import load_run
 
 PIN = "v0.32.0"

@@ -13,7 +13,7 @@ import torch
 
 from reimpl.config import EngineConfig, RequestIn
 from reimpl.fast_engine import FastEngine, FastQwen3
-from vllm_tour.models import resolve_model
+from vllm_tour.upstream.models import resolve_model
 
 
 @pytest.fixture(scope="module")

@@ -104,7 +104,7 @@ def test_bf16_trace_records_dtype_and_top5(upstream_run):
 def test_reimpl_engine_runs_in_bf16():
     """Weights, activations and the KV cache in bf16; its own greedy tokens and top-5 recorded."""
     from reimpl.engine import EngineConfig, RequestIn
-    from vllm_tour.models import resolve_model
+    from vllm_tour.upstream.models import resolve_model
 
     eng = Engine(EngineConfig(str(resolve_model("tiny-qwen3")), num_blocks=8, dtype="bfloat16"))
     eng.record_topk = 5

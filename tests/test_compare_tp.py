@@ -184,7 +184,7 @@ def test_modules_take_only_their_world_size():
 def test_distributed_ranks_equal_the_simulation(tmp_path, backend):
     """The same rank code in 2 processes over torch.distributed (gloo; NCCL with the collectives on 2 GPUs)
     computes what the simulation does, bit for bit: two-term sums are exact in any order."""
-    from vllm_tour.models import make_tiny_model
+    from vllm_tour.upstream.models import make_tiny_model
 
     sys.path.insert(0, str(Path(__file__).parent))
     from _tp_batch import run_batch
@@ -211,8 +211,8 @@ def test_distributed_ranks_equal_the_simulation(tmp_path, backend):
 def test_show_and_perfetto_put_ranks_side_by_side(upstream_run):
     from rich.console import Console
 
-    from vllm_tour.trace.perfetto import RANK_PID, to_chrome_trace
-    from vllm_tour.trace.render import collectives_table, tp_summary
+    from vllm_tour.views.perfetto import RANK_PID, to_chrome_trace
+    from vllm_tour.views.show import collectives_table, tp_summary
 
     run = load_run(upstream_run(SCENARIO).run_dir)
     console = Console(width=200, record=True)

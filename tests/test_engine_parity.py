@@ -17,7 +17,7 @@ from reimpl.config import EngineConfig, RequestIn
 from reimpl.engine import Engine
 from reimpl.fast_engine import FastEngine, FastQwen3
 from reimpl.qwen3_numerics import DTYPES, rms_norm, rope_cos_sin
-from vllm_tour.models import resolve_model
+from vllm_tour.upstream.models import resolve_model
 
 NUM_BLOCKS = 24  # KV blocks (null block included): enough to run, too few to run everything at once
 

@@ -39,7 +39,7 @@ def test_cuda_golden_has_every_record_kind(name):
 
 
 def _golden_run(tmp_path, name, env: dict | None = None, golden: Path = V0210) -> Path:
-    from vllm_tour.models import resolve_model
+    from vllm_tour.upstream.models import resolve_model
 
     run = tmp_path / name
     shutil.copytree(golden / name, run)
@@ -70,7 +70,7 @@ def test_reimpl_matches_upstream_cuda_exactly(tmp_path, name):
 def test_free_policy_is_what_v0210_preemption_needs(tmp_path, monkeypatch):
     """v0.21.0 BlockPool.free_blocks appends every freed block; v0.32.0 prepends the unhashed ones.
     With v0.32.0's policy the reimpl hands out a different block after the first preemption."""
-    from vllm_tour import pins
+    from vllm_tour.upstream import pins
 
     profile = pins.pin_profile("v0.21.0").model_copy(update={"free_queue_policy": "uncached_to_front"})
     monkeypatch.setattr(pins, "pin_profile", lambda tag: profile)

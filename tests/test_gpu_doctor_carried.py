@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from vllm_tour import doctor
-from vllm_tour.pins import load_pin, source_digest
+from vllm_tour.upstream import doctor
+from vllm_tour.upstream.pins import load_pin, source_digest
 
 
 def _checks(monkeypatch, tmp_path, files: dict[str, str], torch: str):

@@ -15,7 +15,7 @@ import torch
 from reimpl.config import EngineConfig, RequestIn
 from reimpl.engine import Engine
 from reimpl.fast_engine import FastEngine, FastQwen3
-from vllm_tour.models import resolve_model
+from vllm_tour.upstream.models import resolve_model
 from vllm_tour.paths import SCENARIOS_DIR
 from vllm_tour.scenario import load_scenario
 

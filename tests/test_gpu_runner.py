@@ -146,7 +146,7 @@ def test_triton_f32_reaches_every_step_and_trace_scenarios_are_traced_once():
 
 
 def test_triton_f32_is_recorded_in_the_run_env(monkeypatch):
-    from vllm_tour.upstream_run import env_allow_list
+    from vllm_tour.engine.run import env_allow_list
 
     monkeypatch.setenv("TRITON_F32_DEFAULT", "ieee")
     assert env_allow_list()["TRITON_F32_DEFAULT"] == "ieee"
@@ -194,7 +194,7 @@ def test_flash_variant_wins_over_the_runs_backend():
 def test_carried_models_become_every_steps_model_cache(tmp_path, monkeypatch):
     """carry-models copies Qwen3-0.6B's built directory (tokenizer included) under its content-keyed name; with the
     folder present, every step's VLLM_TOUR_CACHE points at it, where resolve_model finds it."""
-    from vllm_tour.models import dummy_model_dir
+    from vllm_tour.upstream.models import dummy_model_dir
 
     out = tmp_path / "tour-cache"
     assert runner.main(["carry-models", "--out", str(out)]) == 0

@@ -11,7 +11,7 @@ from vllm_tour.lab.catalog import LABS
 from vllm_tour.lab.check import unwritten
 from vllm_tour.lab.skeleton import skeleton_source
 from vllm_tour.paths import REPO_ROOT
-from vllm_tour.source.annotations import all_notes, load_all
+from vllm_tour.notes.annotations import all_notes, load_all
 
 
 def lab(*args):
@@ -62,7 +62,7 @@ def test_docstrings_cite_notes_by_id_and_upstream_by_name():
 
 
 def test_every_cited_note_and_upstream_name_exists():
-    from vllm_tour.source.pinned import tree_for_pin
+    from vllm_tour.notes.pinned import tree_for_pin
 
     notes = {n.id: n for n in all_notes(load_all())}
     tree = tree_for_pin()

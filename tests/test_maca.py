@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_tour import doctor, pins
+from vllm_tour.upstream import doctor, pins
 from vllm_tour.errors import TourError
 from vllm_tour.platforms.check import check_plugin
 from vllm_tour.probes import install as inst
@@ -35,7 +35,7 @@ def sources(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tree_v0210():
-    from vllm_tour.source.pinned import tree_for_pin
+    from vllm_tour.notes.pinned import tree_for_pin
 
     return tree_for_pin("v0.21.0")
 

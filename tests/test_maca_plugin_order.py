@@ -5,7 +5,7 @@ wraps what is there when the run starts, records it once per call, and the run s
 import inspect
 import json
 
-from vllm_tour.pins import active_pin_tag
+from vllm_tour.upstream.pins import active_pin_tag
 from vllm_tour.probes import base
 from vllm_tour.probes.base import Probe
 from vllm_tour.scenario import load_scenario
@@ -60,7 +60,7 @@ def test_a_target_another_general_plugin_replaced_is_wrapped_and_recorded(tmp_pa
     import vllm.plugins
     from vllm.v1.core.kv_cache_manager import KVCacheManager
 
-    from vllm_tour.sched_harness import run_scheduler
+    from vllm_tour.engine.sched_harness import run_scheduler
 
     site = tmp_path / "site"
     info = site / "tour_replacing_plugin-1.0.dist-info"

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from vllm_tour import models
+from vllm_tour.upstream import models
 from vllm_tour.errors import TourError
 
 # Pinned: a change here means every golden trace and comparison changes too.

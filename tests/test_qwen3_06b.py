@@ -23,7 +23,7 @@ LONG = ("Paged attention stores each request's keys and values in fixed-size blo
 
 @pytest.fixture(scope="session")
 def qwen3_dir():
-    from vllm_tour.models import resolve_model
+    from vllm_tour.upstream.models import resolve_model
 
     return resolve_model("Qwen3-0.6B", "dummy")
 
@@ -47,7 +47,7 @@ def test_tokenizer_round_trips_and_matches_tiktoken_on_the_same_ranks(tokenizer)
     import tiktoken
     from tiktoken.load import load_tiktoken_bpe
 
-    from vllm_tour.qwen3_tokenizer import QWEN_PATTERN, ranks_file
+    from vllm_tour.upstream.qwen3_tokenizer import QWEN_PATTERN, ranks_file
 
     ref = tiktoken.Encoding("qwen", pat_str=QWEN_PATTERN, mergeable_ranks=load_tiktoken_bpe(str(ranks_file())),
                             special_tokens={})
@@ -59,7 +59,7 @@ def test_tokenizer_round_trips_and_matches_tiktoken_on_the_same_ranks(tokenizer)
 
 
 def test_special_tokens_and_chat_template(qwen3_dir, tokenizer):
-    from vllm_tour.chat import chat_text, chat_tokenizer
+    from vllm_tour.upstream.chat import chat_text, chat_tokenizer
 
     cfg = json.loads((qwen3_dir / "tokenizer_config.json").read_text())
     for tid, t in cfg["added_tokens_decoder"].items():
@@ -77,7 +77,7 @@ def test_a_carried_model_dir_needs_no_package_and_none_is_one_line(tmp_path, mon
     error names the package."""
     import importlib.util
 
-    from vllm_tour import models
+    from vllm_tour.upstream import models
     from vllm_tour.errors import TourError
 
     monkeypatch.setenv("VLLM_TOUR_CACHE", str(tmp_path))
@@ -118,7 +118,7 @@ def test_dtype_and_load_format_options_reach_the_engine_spec():
     from typer.testing import CliRunner
 
     from vllm_tour.cli import app
-    from vllm_tour.trace.command import build_scenario
+    from vllm_tour.engine.trace_command import build_scenario
 
     sc = build_scenario(None, ["hi"], None, "Qwen3-0.6B", None, None, None, None, False,
                         {"dtype": "bfloat16", "load_format": "dummy"})
@@ -135,10 +135,10 @@ def test_dtype_and_load_format_options_reach_the_engine_spec():
 @pytest.fixture(scope="session")
 def qwen3_run(tmp_path_factory, tokenizer):
     """r0: "hello" alone for two steps (the golden's first two steps); then r1, a chat turn longer than a block."""
-    from vllm_tour.chat import apply_chat
+    from vllm_tour.upstream.chat import apply_chat
     from vllm_tour.scenario import scenario_from_dict
     from vllm_tour.trace.reader import load_run
-    from vllm_tour.upstream_run import run_upstream
+    from vllm_tour.engine.run import run_upstream
 
     sc = scenario_from_dict({"name": "qwen3_06b_live", "model": "Qwen3-0.6B", "engine": {"load_format": "dummy"},
                              "requests": [{"id": "r1", "prompt": LONG, "max_tokens": 2, "arrival_step": 2}]})
@@ -184,7 +184,7 @@ def test_golden_is_the_headline_command_and_small(tokenizer):
     CPU pin (traces/scenarios/qwen3_06b_hello.toml: the same request and defaults)."""
     from vllm_tour.paths import SCENARIOS_DIR
     from vllm_tour.scenario import load_scenario
-    from vllm_tour.trace.command import build_scenario
+    from vllm_tour.engine.trace_command import build_scenario
     from vllm_tour.trace.reader import load_run
 
     cli_sc = build_scenario(None, ["hello"], None, "Qwen3-0.6B", None, None, None, None, False, {"load_format": "dummy"})
@@ -205,7 +205,7 @@ def test_golden_is_the_headline_command_and_small(tokenizer):
 
 def test_golden_first_steps_are_the_live_runs(qwen3_run):
     """Steps 1-2 (r0 alone) re-recorded live equal the golden's, but for the sampled tokens (dummy weights)."""
-    from vllm_tour.trace.golden import deterministic, first_differences
+    from vllm_tour.engine.golden import deterministic, first_differences
     from vllm_tour.trace.reader import load_run
 
     def first_two(run):
@@ -217,7 +217,7 @@ def test_golden_first_steps_are_the_live_runs(qwen3_run):
         return steps
 
     diffs = first_differences(first_two(load_run(GOLDEN)), first_two(qwen3_run))
-    assert not diffs, "re-record with python -m vllm_tour.trace.golden qwen3_06b_hello if intended:\n" + "\n".join(diffs)
+    assert not diffs, "re-record with python -m vllm_tour.engine.golden qwen3_06b_hello if intended:\n" + "\n".join(diffs)
 
 
 CUDA_GOLDENS = {"TritonAttention": GOLDEN_DIR / "v0.21.0" / "qwen3_06b_hello",

@@ -10,7 +10,7 @@ import torch
 from reimpl.config import EngineConfig, RequestIn
 from reimpl.fast_engine import FastEngine, FastQwen3
 from vllm_tour.bench.race_profile import phase_profile
-from vllm_tour.models import resolve_model
+from vllm_tour.upstream.models import resolve_model
 
 PHASES = ("schedule", "prepare", "launch", "gpu", "sample", "update")
 

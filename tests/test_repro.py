@@ -8,7 +8,7 @@ import pytest
 
 from vllm_tour.errors import TourError
 from vllm_tour.paths import SCENARIOS_DIR
-from vllm_tour.repro import check_expectations
+from vllm_tour.repro.reproduce import check_expectations
 from vllm_tour.scenario import load_scenario
 from vllm_tour.trace.reader import load_run
 

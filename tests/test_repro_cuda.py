@@ -10,8 +10,8 @@ import json
 
 import pytest
 
-from vllm_tour.repro import check_expectations
-from vllm_tour.repro_library import REPROS_DIR, library
+from vllm_tour.repro.reproduce import check_expectations
+from vllm_tour.repro.library import REPROS_DIR, library
 from vllm_tour.scenario import load_scenario
 from vllm_tour.trace.reader import load_run
 

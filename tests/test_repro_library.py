@@ -9,8 +9,8 @@ import re
 import pytest
 
 from vllm_tour.errors import TourError
-from vllm_tour.repro import check_expectations
-from vllm_tour.repro_library import REPROS_DIR, library
+from vllm_tour.repro.reproduce import check_expectations
+from vllm_tour.repro.library import REPROS_DIR, library
 from vllm_tour.scenario import load_scenario, scenario_from_dict
 from vllm_tour.trace.reader import load_run
 
@@ -48,7 +48,7 @@ def test_every_repro_in_the_library_runs_here_as_declared(cli):
 @pytest.fixture(scope="module")
 def hol_run(tmp_path_factory):
     """head_of_line_blocking through the scheduler-only harness, in this process."""
-    from vllm_tour.sched_harness import run_scheduler
+    from vllm_tour.engine.sched_harness import run_scheduler
 
     sc = load_scenario(REPROS_DIR / "head_of_line_blocking.toml")
     return sc, load_run(run_scheduler(sc, tmp_path_factory.mktemp("hol") / "run"))
@@ -78,7 +78,7 @@ def test_scheduling_expectations_fail_with_evidence_when_they_do_not_hold(hol_ru
 
 
 def _harness(tmp_path, sc):
-    from vllm_tour.sched_harness import run_scheduler
+    from vllm_tour.engine.sched_harness import run_scheduler
 
     return load_run(run_scheduler(sc, tmp_path / "run"))
 
@@ -126,7 +126,7 @@ def test_kv_events_are_recorded_and_counted(tmp_path):
 def test_the_harness_sizes_the_pool_with_the_pins_own_capacity_check(tmp_path):
     """kv_capacity_null_block: memory for 4 blocks is refused here (the null block is reserved); memory for 5
     starts, and r0 (4 blocks) is scheduled at once, so never_scheduled fails with that step as evidence."""
-    from vllm_tour.sched_harness import run_scheduler
+    from vllm_tour.engine.sched_harness import run_scheduler
 
     sc = load_scenario(REPROS_DIR / "kv_capacity_null_block.toml")
     with pytest.raises(TourError) as e:
@@ -176,7 +176,7 @@ def test_unknown_extra_engine_option_is_one_line_exit_2(tmp_path, cli):
 
 
 def test_extra_options_reach_engine_args_and_typed_ones_are_refused():
-    from vllm_tour.upstream_run import extra_engine_args
+    from vllm_tour.engine.run import extra_engine_args
 
     assert extra_engine_args({"long_prefill_token_threshold": 32}, typed={"block_size"}) == {"long_prefill_token_threshold": 32}
     with pytest.raises(TourError, match="engine.extra.block_size: set by the scenario's typed"):

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 
 from vllm_tour.paths import GOLDEN_DIR, REPO_ROOT
-from vllm_tour.source.annotations import load_all, on_pin
-from vllm_tour.source.html import write_site
-from vllm_tour.source.pinned import tree_for_pin
+from vllm_tour.notes.annotations import load_all, on_pin
+from vllm_tour.site.html import write_site
+from vllm_tour.notes.pinned import tree_for_pin
 from vllm_tour.trace.reader import load_run
 
 ARTIFACTS = REPO_ROOT / "test-artifacts"
@@ -234,7 +234,7 @@ def test_a_page_reads_like_a_course(site, browser):
     assert page["folds"] > 3 and page["foldedLines"] > 100  # the schedule page's KV-connector/Mamba/spec-decode code
     assert page["visibleLines"] == page["allLines"] - page["foldedLines"] and page["hlVisible"]
     assert page["toc"] == page["notes"] and len(page["toc"]) > 5
-    from vllm_tour.source.html import journey
+    from vllm_tour.site.html import journey
 
     order = journey(load_all())
     i = order.index("vllm.v1.core.sched.scheduler.Scheduler.schedule")
@@ -281,7 +281,7 @@ def test_golden_traces_step_by_step_link_events_to_notes(site, browser):
     browser.screenshot(ARTIFACTS / "site-trace-preemption.png")
     page, frag = ev["href"].split("?")[0].removeprefix("file://"), ev["href"].split("#")[1]
     assert frag.startswith("note-") and f'id="{frag}"' in Path(page).read_text()
-    from vllm_tour.source.verify import proofs_for_pin
+    from vllm_tour.notes.verify import proofs_for_pin
 
     proven = proofs_for_pin("v0.32.0")
     note = next(iter(proven))
@@ -295,7 +295,7 @@ def test_golden_traces_step_by_step_link_events_to_notes(site, browser):
 
 
 def test_the_repro_library_page_links_each_repro_to_its_notes(site, browser):
-    from vllm_tour.repro_library import library
+    from vllm_tour.repro.library import library
     from vllm_tour.scenario import load_scenario
 
     browser.goto((site / "repros.html").as_uri() + "?lang=en")

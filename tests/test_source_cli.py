@@ -10,9 +10,9 @@ import pytest
 from rich.console import Console
 
 from vllm_tour.paths import ANNOTATIONS_DIR
-from vllm_tour.source.annotations import all_notes, load_all
-from vllm_tour.source.commands import run_check
-from vllm_tour.source.pinned import tree_for_pin
+from vllm_tour.notes.annotations import all_notes, load_all
+from vllm_tour.site.commands import run_check
+from vllm_tour.notes.pinned import tree_for_pin
 
 SCHED = "vllm.v1.core.sched.scheduler.Scheduler.schedule"
 
@@ -129,8 +129,9 @@ def test_check_two_pins_reports_counts_orphans_unchecked_and_drift():
 def test_per_pin_applicability_decides_what_is_shown_and_checked(tmp_path, monkeypatch):
     """A note says where it was checked (`pins`), where it does not apply (`not_on`) and a pin's own text
     (`variant`); unchecked on a pin whose code has it, it is shown with a caution and check fails."""
-    from vllm_tour.source import checked, commands
-    from vllm_tour.source.annotations import on_pin
+    from vllm_tour.notes import checked
+    from vllm_tour.site import commands
+    from vllm_tour.notes.annotations import on_pin
 
     monkeypatch.setattr(checked, "CHECKED_FILE", tmp_path / "checked.json")  # each variant accepted, as reviewed
     src = (ANNOTATIONS_DIR / "block_pool.toml").read_text(encoding="utf-8")
@@ -163,7 +164,7 @@ def test_per_pin_applicability_decides_what_is_shown_and_checked(tmp_path, monke
     assert got["not_on"] == (0, [], 0, [])
     assert got["variant"] == (0, [], 1, [("Old text", "")])
     # the caution is what `source --pin` prints beside an unchecked note
-    from vllm_tour.source.annotations import caution_text
+    from vllm_tour.notes.annotations import caution_text
 
     note = next(x for s in on_pin(load_all(tmp_path / "unchecked"), "v0.21.0") for x in s.notes)
     assert caution_text(note, "en", "v0.21.0").startswith("checked on v0.32.0 only, not on this pin (v0.21.0)")
@@ -171,7 +172,7 @@ def test_per_pin_applicability_decides_what_is_shown_and_checked(tmp_path, monke
 
 def test_a_pin_listed_twice_is_an_error(tmp_path):
     from vllm_tour.errors import TourError
-    from vllm_tour.source.annotations import load_file
+    from vllm_tour.notes.annotations import load_file
 
     src = (ANNOTATIONS_DIR / "block_pool.toml").read_text(encoding="utf-8")
     bad = tmp_path / "block_pool.toml"
@@ -189,7 +190,7 @@ def test_check_installed_pin_is_clean(cli):
 def test_an_unknown_key_in_an_annotation_file_is_an_error_naming_file_note_and_key(tmp_path):
     from vllm_tour.errors import TourError
     from vllm_tour.paths import ANNOTATIONS_DIR
-    from vllm_tour.source.annotations import load_file
+    from vllm_tour.notes.annotations import load_file
 
     src = next(p for p in sorted(ANNOTATIONS_DIR.glob("*.toml")) if "\nanchor = " in p.read_text(encoding="utf-8"))
     bad = tmp_path / src.name
@@ -203,7 +204,8 @@ def test_an_unknown_key_in_an_annotation_file_is_an_error_naming_file_note_and_k
 def test_accepted_notes_go_stale_when_their_code_changes(tmp_path, monkeypatch):
     """--accept records the digests of a note's anchor and `depends`; a digest that no longer matches (the pin's
     code changed since) makes the note stale, naming the piece; a `depends` name missing on the pin is an error."""
-    from vllm_tour.source import checked, commands
+    from vllm_tour.notes import checked
+    from vllm_tour.site import commands
 
     monkeypatch.setattr(checked, "CHECKED_FILE", tmp_path / "checked.json")
     src = (ANNOTATIONS_DIR / "block_pool.toml").read_text(encoding="utf-8")

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from vllm_tour import pins
-from vllm_tour.source.annotations import Note
-from vllm_tour.source.check import check
-from vllm_tour.source.resolve import NotFound, SourceTree, normalize
+from vllm_tour.upstream import pins
+from vllm_tour.notes.annotations import Note
+from vllm_tour.notes.check import check
+from vllm_tour.notes.resolve import NotFound, SourceTree, normalize
 
 SCHED = "vllm.v1.core.sched.scheduler.Scheduler.schedule"
 ALLOC = "self.kv_cache_manager.allocate_slots("

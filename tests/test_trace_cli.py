@@ -5,7 +5,7 @@ import json
 import pytest
 
 from vllm_tour.paths import GOLDEN_DIR
-from vllm_tour.trace.perfetto import to_chrome_trace
+from vllm_tour.views.perfetto import to_chrome_trace
 from vllm_tour.trace.reader import load_run
 
 
@@ -104,7 +104,7 @@ def test_export_command_writes_a_file(tmp_path, cli):
 
 
 def test_show_step_lists_only_that_steps_finishes(cli):
-    from vllm_tour.trace.render import last_steps
+    from vllm_tour.views.show import last_steps
 
     run = load_run(GOLDEN_DIR / "preemption")
     finishes = last_steps(run)  # step -> requests whose last token was computed then
@@ -147,7 +147,7 @@ def test_the_readme_chunked_prefill_example_is_longer_than_its_budget():
 
     from tokenizers import Tokenizer
 
-    from vllm_tour.models import tokenizer_json
+    from vllm_tour.upstream.models import tokenizer_json
     from vllm_tour.paths import REPO_ROOT
 
     line = next(x for x in (REPO_ROOT / "README.md").read_text().splitlines() if "# chunked prefill" in x)
@@ -171,7 +171,7 @@ def test_help_shows_flags_without_a_value_type_and_keeps_bracketed_words(cli):
 def test_show_names_the_notes_behind_each_event(cli):
     """A preemption, a prefix hit, an eviction in the trace lead to the notes on the code that made them, read on
     the run's pin (the golden preemption run: recorded live, its events are real)."""
-    from vllm_tour.source.annotations import all_notes, load_all
+    from vllm_tour.notes.annotations import all_notes, load_all
 
     run = load_run(GOLDEN_DIR / "preemption")
     step = next(s for s in run.steps if s.scheduler and s.scheduler.preempted)
@@ -190,8 +190,8 @@ def test_show_names_the_notes_behind_each_event(cli):
 def test_show_and_site_list_the_same_events(cli):
     """`show` and the site's trace page derive a step's events once: a request resumed after preemption is an
     admission in both (upstream re-admits it from the waiting queue like a new one), with the admission notes."""
-    from vllm_tour.source.site_traces import trace_page
-    from vllm_tour.trace.event_notes import notes_by_concept, step_events
+    from vllm_tour.site.traces import trace_page
+    from vllm_tour.views.event_notes import notes_by_concept, step_events
 
     run = load_run(GOLDEN_DIR / "preemption")
     step = next(s for s in run.steps if s.scheduler and any(r.kind == "resumed" for r in s.scheduler.scheduled))

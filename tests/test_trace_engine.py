@@ -10,7 +10,7 @@ import time
 import pytest
 
 from vllm_tour.paths import REPO_ROOT
-from vllm_tour.trace.golden import GOLDEN_SCENARIOS
+from vllm_tour.engine.golden import GOLDEN_SCENARIOS
 from vllm_tour.trace.reader import load_run
 
 

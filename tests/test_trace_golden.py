@@ -3,7 +3,7 @@
 import pytest
 
 from vllm_tour.paths import GOLDEN_DIR
-from vllm_tour.trace.golden import GOLDEN_SCENARIOS, deterministic, first_differences
+from vllm_tour.engine.golden import GOLDEN_SCENARIOS, deterministic, first_differences
 from vllm_tour.trace.reader import load_run
 
 
@@ -12,7 +12,7 @@ def test_rerecorded_trace_matches_golden(trace_runs, name):
     golden = load_run(GOLDEN_DIR / name)
     fresh = load_run(trace_runs.get(name))
     diffs = first_differences(deterministic(golden), deterministic(fresh))
-    assert not diffs, f"{name} differs from traces/golden/{name} (re-record with python -m vllm_tour.trace.golden {name} if intended):\n" + "\n".join(diffs)
+    assert not diffs, f"{name} differs from traces/golden/{name} (re-record with python -m vllm_tour.engine.golden {name} if intended):\n" + "\n".join(diffs)
 
 
 @pytest.mark.parametrize("name", GOLDEN_SCENARIOS)

@@ -51,7 +51,7 @@ def test_missing_target_fails_before_the_engine_starts(monkeypatch, tmp_path):
     from vllm.v1.engine.llm_engine import LLMEngine
 
     from vllm_tour.scenario import scenario_from_dict
-    from vllm_tour import upstream_run as run
+    from vllm_tour.engine import run
 
     def engine_must_not_start(*a, **k):
         raise AssertionError("engine started despite a missing probe target")

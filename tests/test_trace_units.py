@@ -8,7 +8,7 @@ import pytest
 from vllm_tour.errors import TourError
 from vllm_tour.paths import GOLDEN_DIR
 from vllm_tour.trace.reader import load_run
-from vllm_tour.upstream_run import env_allow_list
+from vllm_tour.engine.run import env_allow_list
 from vllm_tour.trace.writer import parse_steps, user_req_id
 
 
@@ -25,7 +25,7 @@ def test_env_allow_list_keeps_engine_knobs_and_drops_secrets(monkeypatch):
 
 
 def test_golden_meta_holds_no_secrets():
-    from vllm_tour.repro_library import REPROS_DIR
+    from vllm_tour.repro.library import REPROS_DIR
 
     metas = [*GOLDEN_DIR.rglob("meta.json"), *REPROS_DIR.rglob("meta.json")]  # goldens, proof runs, CUDA repro runs
     assert len(metas) > 20

@@ -14,9 +14,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from .compare.components import COMPONENTS
-from .compare.modules import MODULES as COMPARE_MODULES
-from .errors import TourError
+from vllm_tour.compare.components import COMPONENTS
+from vllm_tour.compare.modules import MODULES as COMPARE_MODULES
+from vllm_tour.errors import TourError
 
 app = typer.Typer(
     help="See what upstream vLLM does, step by step, at a pinned version.",
@@ -48,7 +48,7 @@ def pin(
     The other platforms' distributions in the pin are kept. An existing pin file is
     only rewritten with --write; without it the changes are listed.
     """
-    from . import pins
+    from vllm_tour.upstream import pins
 
     if fetch:
         if not tag:
@@ -75,8 +75,8 @@ def doctor(
     vllm_root: Optional[Path] = typer.Option(None, help="Check this vLLM source tree instead of the installed one.", hidden=True),
 ):
     """Check this environment against a pin: vLLM, source digest, torch, platform, Python, GPU. Exit 2 on mismatch."""
-    from . import doctor as doc
-    from . import pins
+    from vllm_tour.upstream import doctor as doc
+    from vllm_tour.upstream import pins
 
     tag = pin or pins.active_pin_tag()
     p = pins.load_pin(tag)
@@ -101,8 +101,8 @@ def models_make(
     force: bool = flag(help="Regenerate even if present."),
 ):
     """Generate a tiny checkpoint (HF layout) in the user cache and print its path and digest."""
-    from . import models
-    from .writable import check_dir
+    from vllm_tour.paths import check_dir
+    from vllm_tour.upstream import models
 
     check_dir(models.tiny_model_dir(name).parent, "model cache (VLLM_TOUR_CACHE)")
     path = models.make_tiny_model(name, force=force)
@@ -120,7 +120,7 @@ def source(
     pin: Optional[str] = typer.Option(None, "--pin", help="Pin tag (default: the pin of the installed vLLM)."),
 ):
     """Show the pinned source of a function/class with its notes in place."""
-    from .source.commands import show_source
+    from vllm_tour.site.commands import show_source
 
     show_source(console, qualname, lang, pin)
 
@@ -137,7 +137,7 @@ def annotations_check(
     """Check every note on each pin: it resolves where it is claimed (`pins`, `variant`), is not shown where nobody
     checked it, and rests on the code it was accepted against (its anchor and `depends`). Exit 1 on any of these;
     drift between pins is listed (with --diff, as code)."""
-    from .source.commands import run_check
+    from vllm_tour.site.commands import run_check
 
     raise typer.Exit(run_check(console, pin, as_json, diff, accept, accept_all))
 
@@ -152,8 +152,8 @@ def annotations_verify(
                         "traces/golden/proofs/PIN/ (the runs the site links and CI re-checks)."),
 ):
     """Prove notes' claims on live upstream runs: each note's check over its scenario's trace (exit 1 if one fails)."""
-    from .source.verify import verify
-    from .trace.command import quiet_vllm
+    from vllm_tour.engine.trace_command import quiet_vllm
+    from vllm_tour.notes.verify import verify
 
     quiet_vllm(False)  # as `compare`: vLLM's INFO lines would bury the table
     raise typer.Exit(verify(console, pin, note, as_json, proofs, record))
@@ -162,7 +162,7 @@ def annotations_verify(
 @annotations_app.command("lint")
 def annotations_lint():
     """Lint the Chinese texts: glossary terms and punctuation; `note-id: problem` lines, exit 1 when any."""
-    from .source.commands import run_lint
+    from vllm_tour.site.commands import run_lint
 
     raise typer.Exit(run_lint(console))
 
@@ -173,8 +173,8 @@ def site(
     pin: Optional[str] = typer.Option(None, "--pin", help="Pin tag (default: the pin of the installed vLLM)."),
 ):
     """Write a static HTML site of the annotated request path (open OUT/index.html)."""
-    from .source.commands import build_site
-    from .writable import check_dir
+    from vllm_tour.paths import check_dir
+    from vllm_tour.site.commands import build_site
 
     check_dir(out, "--out")
     build_site(console, out, pin)
@@ -225,7 +225,7 @@ def trace(
 
       vllm-tour trace --scenario traces/scenarios/shared_prefix.toml --capture attn_out
     """
-    from .trace import command
+    from vllm_tour.engine import trace_command as command
 
     command.quiet_vllm(verbose)
     engine = dict(
@@ -253,9 +253,9 @@ def probes(
     the upstream functions it patches; check the patches exist on the pin, the probes declared for the platform
     against its classes, and name the probe targets it replaces. Exit 0 clean, 1 on a failed check, 2 on bad input.
     """
-    from .pins import active_pin_tag, load_pin
-    from .probes.base import resolve
-    from .probes.install import current_platform, probes_for
+    from vllm_tour.probes.base import resolve
+    from vllm_tour.probes.install import current_platform, probes_for
+    from vllm_tour.upstream.pins import active_pin_tag, load_pin
 
     tag = pin or active_pin_tag()
     if platform is not None or source is not None:
@@ -263,7 +263,7 @@ def probes(
             raise TourError("give --platform and --source together (e.g. --platform maca --source vllm-metax.tar.xz)")
         import json
 
-        from .platforms.check import check_plugin, render
+        from vllm_tour.platforms.check import check_plugin, render
 
         report = check_plugin(platform, tag, source)
         if as_json:
@@ -303,8 +303,8 @@ def show(
     decode token; R = resumed after preemption. Block grid: + new this step,
     * reused from the prefix cache, color = the request that first owned the block.
     """
-    from .trace.reader import load_run
-    from .trace.render import show as render
+    from vllm_tour.trace.reader import load_run
+    from vllm_tour.views.show import show as render
 
     if step is not None and request is not None:
         raise TourError("give --step or --request, not both")
@@ -323,10 +323,10 @@ def export(
     (waiting, prefill chunks, decode, resumed, preemption markers) and counters
     for KV usage and running/waiting requests.
     """
-    from .trace.perfetto import default_export_path
-    from .trace.perfetto import export as to_perfetto
-    from .trace.reader import load_run
-    from .writable import check_file
+    from vllm_tour.paths import check_file
+    from vllm_tour.trace.reader import load_run
+    from vllm_tour.views.perfetto import default_export_path
+    from vllm_tour.views.perfetto import export as to_perfetto
 
     if format != "perfetto":
         raise TourError(f"unknown format {format!r} (supported: perfetto)")
@@ -357,7 +357,7 @@ def compare(
                                                 "traces/golden/v0.21.0/ep_single (upstream EP does not run on CPU)."),
 ):
     """Run upstream (probes) and the reimpl on a scenario; diff tokens, per-step decisions, tensors. Exit 0 clean, 1 diverged, 2 could not run."""
-    from .compare.command import run_compare
+    from vllm_tour.compare.command import run_compare
 
     code = run_compare(module, scenario, all_scenarios, explain, json_out, fresh, atol, rtol, console, impl, upstream_run)
     raise typer.Exit(code)
@@ -381,12 +381,12 @@ def repro(
     Scheduler alone with fabricated model outputs; \\[engine.extra] passes raw EngineArgs. Exit 0 reproduced, 1 not
     reproduced, 2 could not run; with --all: 0 when every verdict is as declared, else 1.
     """
-    from .repro import render, run_repro
-    from .trace.command import quiet_vllm
+    from vllm_tour.engine.trace_command import quiet_vllm
+    from vllm_tour.repro.reproduce import render, run_repro
 
     quiet_vllm(verbose)
     if all_:
-        from .repro_library import run_all
+        from vllm_tour.repro.library import run_all
 
         if scenario is not None or out is not None:
             raise TourError("repro --all runs the library: give no scenario and no --out")
@@ -412,7 +412,7 @@ def lab_new(
     force: bool = typer.Option(False, "--force", help="Write even into a non-empty folder, over an existing lab's files."),
 ):
     """Write a lab: a skeleton of the reference's interface to fill in, lab.toml and README.md (the commands)."""
-    from .lab.new import new_lab
+    from vllm_tour.lab.new import new_lab
 
     written = new_lab(component, directory, force)  # the lab file first
     for path in written:
@@ -426,7 +426,7 @@ def lab_check(
     fresh: bool = typer.Option(False, "--fresh", help="Re-run upstream instead of reusing its cached run of each scenario."),
 ):
     """Compare the lab's file, swapped into the reference engine, with upstream on the lab's scenarios. Exit 0 clean, 1 diverged, 2 could not run."""
-    from .lab.check import check_lab
+    from vllm_tour.lab.check import check_lab
 
     raise typer.Exit(check_lab(directory, console, fresh))
 

@@ -1,7 +1,12 @@
 """Where things live: the checkout (pins, annotations, traces) and the user cache."""
 
+import importlib.metadata
 import os
+import tempfile
+import tomllib
 from pathlib import Path
+
+from vllm_tour.errors import TourError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PINS_DIR = REPO_ROOT / "pins"
@@ -13,6 +18,17 @@ RUNS_DIR = TRACES_DIR / "runs"
 DATA_DIR = Path(__file__).resolve().parent / "data"
 
 
+def _tour_version() -> str:
+    # pyproject.toml is the one source; a checkout carried to the GPU machine is not installed there
+    try:
+        return importlib.metadata.version("vllm-tour")
+    except importlib.metadata.PackageNotFoundError:
+        return tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["version"]
+
+
+TOUR_VERSION = _tour_version()
+
+
 def cache_dir() -> Path:
     """XDG cache for generated models and fetched upstream sources."""
     override = os.environ.get("VLLM_TOUR_CACHE")
@@ -20,3 +36,44 @@ def cache_dir() -> Path:
         return Path(override)
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "vllm-tour"
+
+
+# Output paths are checked before any work starts.
+# A bad `--out` should be one error line at once, not a traceback after a
+# ten-second engine start. Permission bits alone do not tell (root ignores
+# them; a read-only mount or /proc refuses root too), so the check creates and
+# removes a temporary file where the output will go.
+
+def _nearest_existing(path: Path) -> Path:
+    p = path.absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p
+
+
+def _try_write(directory: Path, what: str, path: Path) -> None:
+    try:
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as e:
+        raise TourError(f"{what} {path}: cannot write in {directory} ({e.strerror or e})") from None
+
+
+def _check(directory: Path, what: str, path: Path) -> None:
+    base = _nearest_existing(directory)
+    if not base.is_dir():
+        raise TourError(f"{what} {path}: {base} is not a directory")
+    _try_write(base, what, path)
+
+
+def check_dir(path: Path, what: str) -> None:
+    """`path` is, or can be created as, a directory we can write files in."""
+    _check(Path(path), what, path)
+
+
+def check_file(path: Path, what: str) -> None:
+    """`path` can be written as a file (written atomically: a temporary file beside it, then a rename)."""
+    path = Path(path)
+    if path.is_dir():
+        raise TourError(f"{what} {path} is a directory (give a file name)")
+    _check(path.parent, what, path)

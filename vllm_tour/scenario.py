@@ -32,8 +32,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
-from .errors import TourError
-from .trace.schema import RequestSpec
+from vllm_tour.errors import TourError
+from vllm_tour.trace.schema import RequestSpec
 
 
 class EngineSpec(BaseModel):

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import overhead
+from vllm_tour.bench import overhead
 
 
 def main() -> None:
@@ -36,10 +36,11 @@ def main() -> None:
     from vllm import EngineArgs, SamplingParams
     from vllm.v1.engine.llm_engine import LLMEngine
 
-    from ..pins import active_pin_tag
-    from ..probes import attention
-    from ..probes.install import PIN_ENV, check_probes
-    from ..trace.writer import RECORDER as R
+    from vllm_tour.probes import attention
+    from vllm_tour.probes.install import check_probes
+    from vllm_tour.probes.run_env import PIN_ENV
+    from vllm_tour.trace.writer import RECORDER as R
+    from vllm_tour.upstream.pins import active_pin_tag
 
     tag = active_pin_tag()
     os.environ[PIN_ENV] = tag

@@ -77,8 +77,8 @@ def run_round(engine, reqs, SamplingParams, tag: str, temperature: float = 0.0, 
               run_dir: str | None = None) -> tuple[list[float], list[float]]:
     """Run the workload to completion; (wall seconds, process CPU seconds) per step. With `probes` (resolved
     probes): installed and recording into `run_dir` for this round only."""
-    from ..probes.base import install, uninstall
-    from ..trace.writer import RECORDER
+    from vllm_tour.probes.base import install, uninstall
+    from vllm_tour.trace.writer import RECORDER
 
     if probes is not None:
         install(probes, RECORDER)
@@ -132,7 +132,7 @@ def timed_probes(resolved, hook_s: dict[str, float]):
 
 
 def cpu_engine_args(EngineArgs, args):
-    from ..models import resolve_model
+    from vllm_tour.upstream.models import resolve_model
 
     shapes = "tiny-qwen3 (fp32, 2 layers, hidden 256, 4 q / 2 kv heads), enforce_eager, prefix caching off"
     return EngineArgs(model=str(resolve_model("tiny-qwen3")), dtype="float32", block_size=32, kv_cache_memory_bytes=64 << 20,
@@ -142,7 +142,7 @@ def cpu_engine_args(EngineArgs, args):
 
 def gpu_engine_args(EngineArgs, args):
     """The race's upstream side (race_upstream.py), with the backend asked for."""
-    from .race_recipe import CONFIG, MAX_MODEL_LEN, TEMPERATURE, recipe, upstream_engine_kwargs
+    from vllm_tour.bench.race_recipe import CONFIG, MAX_MODEL_LEN, TEMPERATURE, recipe, upstream_engine_kwargs
 
     prompts, max_tokens = recipe(args.num_seqs)
     shapes = (f"Qwen3-0.6B shapes ({CONFIG.name}), dummy weights, bf16, {args.backend}, "
@@ -184,8 +184,9 @@ def main() -> None:
     from vllm import EngineArgs, SamplingParams
     from vllm.v1.engine.llm_engine import LLMEngine
 
-    from ..pins import active_pin_tag
-    from ..probes.install import PIN_ENV, check_probes
+    from vllm_tour.probes.install import check_probes
+    from vllm_tour.probes.run_env import PIN_ENV
+    from vllm_tour.upstream.pins import active_pin_tag
 
     tag = active_pin_tag()
     os.environ[PIN_ENV] = tag  # the probes look up per-pin facts (e.g. the CUDA backends' KV layouts) by it

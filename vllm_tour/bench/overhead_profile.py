@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import overhead
+from vllm_tour.bench import overhead
 
 # Probe functions timed in the sections part: (module, function); each wrapped where it is looked up (the
 # module's global), so calls between them are timed too.
@@ -44,7 +44,7 @@ def _timed_sections(acc: dict[str, float]) -> list:
     """Wrap the SECTIONS functions (and the writer's encode and flush); returns what to put back."""
     import importlib
 
-    from ..trace import writer
+    from vllm_tour.trace import writer
 
     undo = []
 
@@ -140,8 +140,9 @@ def main() -> None:
     from vllm import EngineArgs, SamplingParams
     from vllm.v1.engine.llm_engine import LLMEngine
 
-    from ..pins import active_pin_tag
-    from ..probes.install import PIN_ENV, check_probes
+    from vllm_tour.probes.install import check_probes
+    from vllm_tour.probes.run_env import PIN_ENV
+    from vllm_tour.upstream.pins import active_pin_tag
 
     tag = active_pin_tag()
     os.environ[PIN_ENV] = tag

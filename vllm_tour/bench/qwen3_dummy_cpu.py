@@ -23,9 +23,9 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 
 def measure(dtype: str, max_tokens: int) -> dict:
-    from ..paths import SCENARIOS_DIR
-    from ..scenario import load_scenario
-    from ..upstream_run import run_upstream
+    from vllm_tour.engine.run import run_upstream
+    from vllm_tour.paths import SCENARIOS_DIR
+    from vllm_tour.scenario import load_scenario
 
     sc = load_scenario(SCENARIOS_DIR / "qwen3_06b_hello.toml")
     sc.engine.dtype = dtype

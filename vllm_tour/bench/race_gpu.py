@@ -85,7 +85,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from vllm_tour.bench.race_recipe import EXPECTED_OUTPUT_TOKENS, MAX_MODEL_LEN, NUM_SEQS, TEMPERATURE, model_config, recipe
+from vllm_tour.bench.race_recipe import (
+    EXPECTED_OUTPUT_TOKENS,
+    MAX_MODEL_LEN,
+    NUM_SEQS,
+    TEMPERATURE,
+    model_config,
+    recipe,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 

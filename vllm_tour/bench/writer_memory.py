@@ -3,7 +3,7 @@
     python -m vllm_tour.bench.writer_memory [--steps 10000] [--warmup 1000] [--json PATH]
 
 Upstream's real Scheduler at the installed pin, driven as the scheduler-only
-harness drives it (vllm_tour/sched_harness.py: tiny-qwen3's engine config, a
+harness drives it (vllm_tour/engine/sched_harness.py: tiny-qwen3's engine config, a
 fabricated model output per step), with a steady stream of requests: one
 arrives every step (48-token prompt, 32 output tokens, a fresh id each with the
 "-<8 hex>" suffix upstream's input processor adds), so about 32 run at once and
@@ -26,7 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .overhead import hardware
+from vllm_tour.bench.overhead import hardware
 
 PROMPT_TOKENS = 48
 OUTPUT_TOKENS = 32
@@ -43,7 +43,7 @@ def drive(sched, steps: int, warmup: int, seed: int = 0) -> dict:
     from vllm import SamplingParams
     from vllm.v1.request import Request
 
-    from ..sched_harness import _model_output
+    from vllm_tour.engine.sched_harness import _model_output
 
     rng = random.Random(seed)
     live: dict = {}  # the running requests only: finished ones are dropped, as an engine drops them
@@ -76,14 +76,15 @@ def main() -> None:
 
     import vllm
 
-    from ..models import resolve_model
-    from ..pins import active_pin_tag
-    from ..probes.base import install, uninstall
-    from ..probes.install import PIN_ENV, check_probes
-    from ..scenario import Scenario
-    from ..sched_harness import _make_scheduler, scheduler_probes
-    from ..trace.writer import RECORDER
-    from ..upstream_run import engine_kwargs
+    from vllm_tour.engine.run import engine_kwargs
+    from vllm_tour.engine.sched_harness import _make_scheduler, scheduler_probes
+    from vllm_tour.probes.base import install, uninstall
+    from vllm_tour.probes.install import check_probes
+    from vllm_tour.probes.run_env import PIN_ENV
+    from vllm_tour.scenario import Scenario
+    from vllm_tour.trace.writer import RECORDER
+    from vllm_tour.upstream.models import resolve_model
+    from vllm_tour.upstream.pins import active_pin_tag
 
     tag = active_pin_tag()
     os.environ[PIN_ENV] = tag

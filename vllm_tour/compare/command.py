@@ -8,12 +8,12 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
-from ..errors import TourError
-from ..paths import RUNS_DIR
-from ..trace.writer import write_json_atomic
-from . import harness, report
-from .components import parse_impl
-from .reimpl_side import engine_components
+from vllm_tour.compare import harness, report
+from vllm_tour.compare.components import parse_impl
+from vllm_tour.compare.reimpl_side import engine_components
+from vllm_tour.errors import TourError
+from vllm_tour.paths import RUNS_DIR
+from vllm_tour.trace.writer import write_json_atomic
 
 
 def run_compare(module: str, scenario: Path | None, all_scenarios: bool, explain: bool, json_out: Path | None,
@@ -23,8 +23,8 @@ def run_compare(module: str, scenario: Path | None, all_scenarios: bool, explain
 
     impl_options: "COMPONENT=FILE.py[:Name]" each; every file is checked before any engine starts.
     upstream_run: a finished upstream run of the one --scenario (e.g. a GPU run or a golden) instead of running it."""
-    from ..trace.command import quiet_vllm
-    from ..writable import check_file
+    from vllm_tour.engine.trace_command import quiet_vllm
+    from vllm_tour.paths import check_file
 
     quiet_vllm(False)  # as `trace`: vLLM's INFO lines would bury the report
     harness.check_module(module)
@@ -40,12 +40,12 @@ def run_compare(module: str, scenario: Path | None, all_scenarios: bool, explain
             raise TourError("--upstream-run is a run of one scenario: give it with --scenario FILE")
         if fresh:
             raise TourError("give --upstream-run or --fresh, not both")
-        from ..trace.reader import load_run
+        from vllm_tour.trace.reader import load_run
 
         load_run(Path(upstream_run))  # unreadable: one line, before any engine starts
     out = Path(json_out) if json_out else RUNS_DIR / "compare" / f"{time.strftime('%Y%m%d-%H%M%S')}-{module.replace('.', '_')}.json"
     check_file(out, "JSON report")
-    from ..scenario import load_scenario
+    from vllm_tour.scenario import load_scenario
 
     results, skipped, failed = [], [], []
     for path in paths:

@@ -21,8 +21,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import TourError
-from .modules import REFERENCE
+from vllm_tour.compare.modules import REFERENCE
+from vllm_tour.errors import TourError
 
 
 @dataclass(frozen=True)

@@ -9,24 +9,11 @@ comes before the KV state, which comes before the model runner's inputs.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
 from typing import Any
 
-from ..logprobs import TOP_K
-from .tokens import logprobs_close
-
-@dataclass
-class Divergence:
-    kind: str  # "tokens" | "decision" | "tensor" | "missing"
-    step: int | None
-    field: str  # dotted path, e.g. "scheduler.scheduled[r1].num_scheduled_tokens"
-    upstream: Any = None
-    reimpl: Any = None
-    req_id: str | None = None
-    message: str = ""
-
-    def to_json(self) -> dict:
-        return asdict(self)
+from vllm_tour.compare.divergence import Divergence
+from vllm_tour.compare.tokens import logprobs_close
+from vllm_tour.trace.logprobs import TOP_K
 
 
 def diff_tokens(upstream: dict[str, list[int]], reimpl: dict[str, list[int]], context: int = 4) -> list[Divergence]:
@@ -221,7 +208,7 @@ def diff_step(step: int, up: dict[str, dict | None], re_: dict[str, dict | None]
         summarized = uv.get("_summarized") or {}
         if summarized and rv:
             # upstream summarized long lists: compare length + digest in upstream's batch order
-            from ..trace.schema import int_digest
+            from vllm_tour.trace.schema import int_digest
             order = up["runner"]["req_ids"]
             for k, s in summarized.items():
                 vals = [v for rid in order for v in (rv["requests"].get(rid, {}).get(k) or [])]
@@ -245,7 +232,7 @@ def diff_step(step: int, up: dict[str, dict | None], re_: dict[str, dict | None]
         _diff_value("attention", attention_view(up.get("attention"), up.get("runner")),
                     attention_view(re_.get("attention"), re_.get("runner")), step, out)
     if "moe" in sections:
-        from .moe_diff import diff_moe
+        from vllm_tour.compare.moe_diff import diff_moe
 
         out += diff_moe(step, up.get("moe") or [], re_.get("moe") or [], up.get("runner"), re_.get("runner"))
     return out

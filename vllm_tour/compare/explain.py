@@ -3,8 +3,8 @@ and where a bf16 run's tokens stopped being compared."""
 
 from __future__ import annotations
 
-from .result import CompareResult
-from ..logprobs import TOP_K
+from vllm_tour.compare.result import CompareResult
+from vllm_tour.trace.logprobs import TOP_K
 
 
 def explain(result: CompareResult, up_steps, re_steps, re_state) -> dict | None:

@@ -21,19 +21,19 @@ import traceback
 from pathlib import Path
 from typing import Callable
 
-from ..errors import TourError
-from ..paths import SCENARIOS_DIR
-from . import diffs, tolerance
-from .diffs import Divergence
-from .explain import explain as explain_divergence
-from .explain import topk_notes
-from .modules import CAPTURES, MODULES, get_module
-from .reimpl_side import applicable, check_module, engine_components, model_factory, run_reimpl
-from .result import CompareResult
-from .tensor_diff import diff_tensors
-from .tp_diff import diff_tp
-from ..logprobs import TOP_K
-from .upstream import cannot_run_here, load_upstream, run_dtype, upstream_run_for
+from vllm_tour.compare import diffs, tolerance
+from vllm_tour.compare.diffs import Divergence
+from vllm_tour.compare.explain import explain as explain_divergence
+from vllm_tour.compare.explain import topk_notes
+from vllm_tour.compare.modules import CAPTURES, MODULES, get_module
+from vllm_tour.compare.reimpl_side import applicable, check_module, engine_components, model_factory, run_reimpl
+from vllm_tour.compare.result import CompareResult
+from vllm_tour.compare.tensor_diff import diff_tensors
+from vllm_tour.compare.tp_diff import diff_tp
+from vllm_tour.compare.upstream import cannot_run_here, load_upstream, run_dtype, upstream_run_for
+from vllm_tour.errors import TourError
+from vllm_tour.paths import SCENARIOS_DIR
+from vllm_tour.trace.logprobs import TOP_K
 
 
 def scenario_paths(all_scenarios: bool, scenario: Path | None) -> list[Path]:
@@ -62,7 +62,7 @@ def compare(module: str, scenario_path: Path | str, *, fresh: bool = False, upst
     backend and env (tolerance.tolerance_for: fp32 1e-5; TF32 dots on CUDA Triton 1e-2, unless the run
     recorded TRITON_F32_DEFAULT=ieee; bf16 tolerance.BF16). Tokens: exact in fp32; in bf16 vLLM's top-k
     rule (diffs.diff_tokens_topk), the reimpl running on upstream's tokens (run_reimpl)."""
-    from ..scenario import load_scenario
+    from vllm_tour.scenario import load_scenario
 
     t0 = time.perf_counter()
     check_module(module)
@@ -257,7 +257,7 @@ def _not_compared(module: str, up, sampled_at: dict[str, float], verdicts: dict[
 
 
 def write_report(result: CompareResult, path: Path) -> Path:
-    from ..trace.writer import write_json_atomic
+    from vllm_tour.trace.writer import write_json_atomic
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

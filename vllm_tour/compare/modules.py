@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import TourError
+from vllm_tour.errors import TourError
 
 # The reference engine's components (vllm_tour/compare/components.py has their interfaces).
 REFERENCE = {

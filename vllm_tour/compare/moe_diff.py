@@ -13,9 +13,8 @@ many ranks, and the local token counts they imply from upstream's routing.
 
 from __future__ import annotations
 
-from .diffs import Divergence
-
-from .tolerance import ATOL, RTOL
+from vllm_tour.compare.divergence import Divergence
+from vllm_tour.compare.tolerance import ATOL, RTOL
 
 
 def _rows(runner: dict | None) -> dict[str, range]:
@@ -48,7 +47,9 @@ def upstream_expert_map(ep_size: int, rank: int, num_experts: int) -> list[int] 
 
     from vllm.config import ParallelConfig
     from vllm.model_executor.layers.fused_moe.expert_map_manager import (
-        determine_expert_map, determine_expert_placement_strategy)
+        determine_expert_map,
+        determine_expert_placement_strategy,
+    )
 
     default = ParallelConfig.__dataclass_fields__["expert_placement_strategy"].default
     strategy = determine_expert_placement_strategy(default, SimpleNamespace(use_all2all_kernels=False), None, 0, False)

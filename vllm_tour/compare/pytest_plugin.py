@@ -24,10 +24,10 @@ from pathlib import Path
 
 import pytest
 
-from . import harness
-from .reimpl_side import check_module, engine_components
-from .result import CompareResult
-from .upstream import load_capture, load_upstream, upstream_run_for
+from vllm_tour.compare import harness
+from vllm_tour.compare.reimpl_side import check_module, engine_components
+from vllm_tour.compare.result import CompareResult
+from vllm_tour.compare.upstream import load_capture, load_upstream, upstream_run_for
 
 
 @dataclass
@@ -59,7 +59,7 @@ def _resolve(scenario: str | Path) -> Path:
 @pytest.fixture(scope="session")
 def upstream_run():
     """upstream_run(scenario path or name) -> UpstreamRun, one engine run per scenario per session."""
-    from ..scenario import load_scenario
+    from vllm_tour.scenario import load_scenario
 
     cache: dict[Path, UpstreamRun] = {}
 

@@ -10,11 +10,11 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from ..errors import TourError
-from .components import check_impl, load_impl
-from .modules import MODULES, get_module
-from ..logprobs import TOP_K
-from .upstream import DTYPES, UpstreamRecords
+from vllm_tour.compare.components import check_impl, load_impl
+from vllm_tour.compare.modules import MODULES, get_module
+from vllm_tour.compare.upstream import DTYPES, UpstreamRecords, is_moe_model
+from vllm_tour.errors import TourError
+from vllm_tour.trace.logprobs import TOP_K
 
 
 def applicable(scenario, module: str | None = None) -> str | None:
@@ -44,15 +44,6 @@ def applicable(scenario, module: str | None = None) -> str | None:
     if scenario.engine.dtype not in DTYPES:
         return f"dtype {scenario.engine.dtype} (the reimpl runs float32 or bfloat16)"
     return None
-
-
-def is_moe_model(name: str) -> bool:
-    """The scenario's model is a Qwen3-MoE (read from its config.json; a tiny one is generated if need be)."""
-    from reimpl.moe import is_moe
-
-    from ..models import resolve_model
-
-    return is_moe(json.loads((resolve_model(name) / "config.json").read_text()))
 
 
 def check_module(module: str) -> None:
@@ -160,7 +151,7 @@ def run_reimpl(scenario, up: UpstreamRecords, components: dict[str, object], eng
         raise TourError("the upstream run has no scheduler/KV records: were probes installed?")
     args = up.meta["engine_args"]
     model_dir = up.model_dir
-    from .. import pins
+    from vllm_tour.upstream import pins
 
     policies = pins.pin_profile(up.meta["pin"]).reimpl_policies()
     cfg = EngineConfig(

@@ -8,8 +8,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from .modules import MODULES
-from .result import CompareResult
+from vllm_tour.compare.modules import MODULES
+from vllm_tour.compare.result import CompareResult
 
 
 def _short(v, n: int = 90) -> str:

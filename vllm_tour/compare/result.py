@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from . import tolerance
-from .diffs import Divergence
-from .tolerance import TensorStat
-from ..logprobs import TOP_K
+from vllm_tour.compare import tolerance
+from vllm_tour.compare.diffs import Divergence
+from vllm_tour.compare.tolerance import TensorStat
+from vllm_tour.trace.logprobs import TOP_K
 
 
 @dataclass

@@ -6,12 +6,11 @@ A tensor of a judged kind that only one side produced at a step both sides captu
 
 from __future__ import annotations
 
-from ..errors import TourError
-from ..probes.kv_layout import CANONICAL_LAYOUT
-from . import tolerance
-from .tolerance import TensorStat
-from .upstream import PER_RANK_CAPTURES, load_capture
-
+from vllm_tour.compare import tolerance
+from vllm_tour.compare.tolerance import TensorStat
+from vllm_tour.compare.upstream import PER_RANK_CAPTURES, load_capture
+from vllm_tour.errors import TourError
+from vllm_tour.probes.kv_layout import CANONICAL_LAYOUT
 
 TOKEN_ROWS = ("attn_out.", "router_logits.", "moe_out.", "moe_partial.")  # one row per token of the step, in batch order
 

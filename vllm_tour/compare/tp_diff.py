@@ -10,12 +10,12 @@ Every divergence names the rank, the layer, the tensor and the step (0: at load)
 
 from __future__ import annotations
 
-from ..probes.tp import digest
-from ..trace.reader import load_run
-from . import tolerance
-from .diffs import Divergence
-from .tolerance import TensorStat
-from .upstream import load_capture
+from vllm_tour.compare import tolerance
+from vllm_tour.compare.diffs import Divergence
+from vllm_tour.compare.tolerance import TensorStat
+from vllm_tour.compare.upstream import load_capture
+from vllm_tour.probes.tp import digest
+from vllm_tour.trace.reader import load_run
 
 
 def _split(param: str) -> tuple[str, str]:

@@ -14,10 +14,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import TourError
-from ..paths import RUNS_DIR
-from ..trace.reader import load_run
-from .modules import CAPTURES
+from vllm_tour.compare.modules import CAPTURES
+from vllm_tour.errors import TourError
+from vllm_tour.paths import RUNS_DIR
+from vllm_tour.trace.reader import load_run
 
 CACHE_DIR = RUNS_DIR / "compare-cache"
 CACHE_VERSION = 2  # bump when what we ask of upstream changes (2: top-k logprobs in bf16)
@@ -51,7 +51,7 @@ class UpstreamRecords:
         path = Path(self.meta["model_path"])
         if path.is_dir():
             return path
-        from ..models import resolve_model
+        from vllm_tour.upstream.models import resolve_model
 
         return resolve_model(self.meta["model"])
 
@@ -96,8 +96,7 @@ def load_capture(run_dir: Path, rec: dict):
 
 def cannot_run_here(scenario) -> str | None:
     """Why upstream cannot run `scenario` on this machine's vLLM (None: it can)."""
-    from ..pins import current_platform_name
-    from .reimpl_side import is_moe_model
+    from vllm_tour.upstream.pins import current_platform_name
 
     e = scenario.engine
     if e.enable_expert_parallel and e.tensor_parallel_size > 1 and current_platform_name() == "cpu" \
@@ -110,7 +109,7 @@ def cannot_run_here(scenario) -> str | None:
 
 def upstream_run_for(scenario, fresh: bool = False, run_dir: Path | None = None, progress=None) -> Path:
     """A finished upstream run of `scenario` with captures: cached by scenario content."""
-    from ..upstream_run import run_upstream
+    from vllm_tour.engine.run import run_upstream
 
     if run_dir is not None:
         return run_upstream(scenario, run_dir=run_dir, capture=list(CAPTURES), progress=progress)
@@ -188,3 +187,11 @@ def run_dtype(up: UpstreamRecords) -> str:
     if name not in DTYPES:
         raise TourError(f"the upstream run's dtype is {name} (the reimpl runs float32 or bfloat16)")
     return DTYPES[name]
+
+
+def is_moe_model(name: str) -> bool:
+    """The scenario's model is a Qwen3-MoE (read from its config.json; a tiny one is generated if need be)."""
+    from reimpl.moe import is_moe
+    from vllm_tour.upstream.models import resolve_model
+
+    return is_moe(json.loads((resolve_model(name) / "config.json").read_text()))

@@ -65,10 +65,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..bench.race_gpu import SIDES as RACE_SIDES
-from ..bench.race_gpu import parse_sides
-from ..compare.modules import MODULES as COMPARE_MODULES
-from ..compare.tokens import first_difference, logprobs_close
+from vllm_tour.bench.race_gpu import SIDES as RACE_SIDES
+from vllm_tour.bench.race_gpu import parse_sides
+from vllm_tour.compare.modules import MODULES as COMPARE_MODULES
+from vllm_tour.compare.tokens import first_difference, logprobs_close
 
 REPO = Path(__file__).resolve().parents[2]
 TRACE_SCENARIOS = ("single", "concurrent8", "chunked_prefill", "preemption", "shared_prefix")
@@ -228,8 +228,8 @@ def split_variants(name: str) -> tuple[str, dict]:
 
 
 def _scenario(name: str):
-    from ..paths import SCENARIOS_DIR
-    from ..scenario import load_scenario
+    from vllm_tour.paths import SCENARIOS_DIR
+    from vllm_tour.scenario import load_scenario
 
     base, overrides = split_variants(name)
     sc = load_scenario(SCENARIOS_DIR / f"{base}.toml")
@@ -248,8 +248,8 @@ def trace_scenario(name: str, attention_backend: str | None):
 
 
 def cmd_trace(a) -> int:
-    from ..errors import TourError
-    from ..upstream_run import CAPTURE_NAMES, run_upstream
+    from vllm_tour.engine.run import CAPTURE_NAMES, run_upstream
+    from vllm_tour.errors import TourError
 
     out = Path(a.out) / "traces"
     out.mkdir(parents=True, exist_ok=True)
@@ -280,7 +280,7 @@ def cmd_trace(a) -> int:
 def probe_errors(run_dir: Path) -> dict:
     """{} for a run whose probes recorded no error; else a failed status with how many and the first: a probe that
     raised leaves its records out (the engine runs on), and compare refuses such a run."""
-    from ..trace.reader import load_run
+    from vllm_tour.trace.reader import load_run
 
     errors = load_run(run_dir).errors
     if not errors:
@@ -303,7 +303,7 @@ def max_abs_by_kind(tensors: list[dict]) -> dict[str, dict]:
 
 
 def cmd_compare(a) -> int:
-    from ..compare import harness
+    from vllm_tour.compare import harness
 
     traces = Path(a.out) / "traces"
     rc = 0
@@ -334,7 +334,7 @@ def _upstream_tokens(sc, model_dir: str, dtype: str, backend: str | None, logpro
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from ..upstream_run import engine_kwargs
+    from vllm_tour.engine.run import engine_kwargs
 
     kw = engine_kwargs(sc, Path(model_dir), pin)
     kw["dtype"] = dtype
@@ -365,8 +365,7 @@ def _reimpl_tokens(sc, model_dir: str, dtype, topk: int, pin: str):
 
     from reimpl.config import EngineConfig, RequestIn
     from reimpl.fast_engine import FastEngine, FastQwen3
-
-    from .. import pins
+    from vllm_tour.upstream import pins
 
     e = sc.engine
     model = FastQwen3.from_dir(model_dir, device="cuda", dtype=dtype)
@@ -388,7 +387,7 @@ def cmd_tokens(a) -> int:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process engine core: starts in seconds
     import torch
 
-    from ..models import resolve_model
+    from vllm_tour.upstream.models import resolve_model
 
     report = {"rule": "fp32: tokens identical; bf16: at the first differing greedy token each side's token is in the "
                       "other's top-5 logprobs, then stop (vLLM check_logprobs_close)", "scenarios": {}}
@@ -428,7 +427,7 @@ def cmd_carry_models(a) -> int:
     copied into OUT/models/ under the same content-keyed names, for the GPU machine's model cache."""
     import shutil
 
-    from ..models import DUMMY_CONFIGS, make_dummy_model
+    from vllm_tour.upstream.models import DUMMY_CONFIGS, make_dummy_model
 
     for name in DUMMY_CONFIGS:
         src = make_dummy_model(name)
@@ -444,9 +443,9 @@ def cmd_repro(a) -> int:
     """The repro library's files that speak about this pin, run here: each run directory goes under
     OUT/traces/repro-<name>/ with a repro.json (verdict, the engine's failure and ERROR lines, every check), so that
     CI re-checks the expectations on these records on a machine without this pin (tests/test_repro_cuda.py)."""
-    from ..repro import installed_pin, run_repro
-    from ..repro_library import library
-    from ..scenario import load_scenario
+    from vllm_tour.repro.library import library
+    from vllm_tour.repro.reproduce import installed_pin, run_repro
+    from vllm_tour.scenario import load_scenario
 
     here = installed_pin()
     rows = []
@@ -562,7 +561,7 @@ def cmd_all(a) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..pins import default_pin
+    from vllm_tour.upstream.pins import default_pin
 
     cuda_pin = default_pin("cuda")  # the pin of the CUDA engine this machine carries
     ap = argparse.ArgumentParser(prog="python -m vllm_tour.gpu.runner", description=__doc__.split("\n")[0])

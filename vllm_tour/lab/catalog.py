@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..compare.modules import REFERENCE
+from vllm_tour.compare.modules import REFERENCE
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
-from ..errors import TourError
-from .labdir import LabDir, read_lab
+from vllm_tour.errors import TourError
+from vllm_tour.lab.labdir import LabDir, read_lab
 
 MAX_NAMED = 4  # unwritten bodies named in the error line; the rest are counted
 MODEL_OUTPUT = "runner.sampled_token_ids"  # a decision field computed from the step's tensors
@@ -51,8 +51,8 @@ def check_lab(directory: Path, console: Console, fresh: bool = False) -> int:
         named = ", ".join(todo[:MAX_NAMED]) + (f" and {len(todo) - MAX_NAMED} more" if len(todo) > MAX_NAMED else "")
         raise TourError(f"lab {lab.component}: {len(todo)} bodies in {lab.file} still raise NotImplementedError "
                         f"(not written yet: {named}); write them, then run `vllm-tour lab check {lab.path}` again")
-    from ..compare import harness, report
-    from ..compare.reimpl_side import engine_components
+    from vllm_tour.compare import harness, report
+    from vllm_tour.compare.reimpl_side import engine_components
 
     engine_components(lab.module, lab.impl)  # the file's interface, before any engine starts
     results = []

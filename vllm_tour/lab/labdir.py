@@ -6,9 +6,9 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import TourError
-from ..paths import SCENARIOS_DIR
-from .catalog import LABS, Lab
+from vllm_tour.errors import TourError
+from vllm_tour.lab.catalog import LABS, Lab
+from vllm_tour.paths import SCENARIOS_DIR
 
 LAB_TOML = "lab.toml"
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ..errors import TourError
-from .labdir import LAB_TOML, lab_file_name, lab_for, lab_toml_text, read_lab
-from .readme import readme_text
-from .skeleton import skeleton_source
+from vllm_tour.errors import TourError
+from vllm_tour.lab.labdir import LAB_TOML, lab_file_name, lab_for, lab_toml_text, read_lab
+from vllm_tour.lab.readme import readme_text
+from vllm_tour.lab.skeleton import skeleton_source
 
 
 def new_lab(component: str, directory: Path, force: bool = False) -> list[Path]:

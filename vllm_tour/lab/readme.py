@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..paths import REPO_ROOT
-from ..scenario import load_scenario
-from .catalog import Lab
-from .labdir import lab_file_name, scenario_path
+from vllm_tour.lab.catalog import Lab
+from vllm_tour.lab.labdir import lab_file_name, scenario_path
+from vllm_tour.paths import REPO_ROOT
+from vllm_tour.scenario import load_scenario
 
 
 def readme_text(lab: Lab, directory: Path) -> str:

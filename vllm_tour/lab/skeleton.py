@@ -18,11 +18,11 @@ from pathlib import Path
 
 import libcst as cst
 
-from ..compare.components import COMPONENTS
-from ..errors import TourError
-from ..paths import REPO_ROOT
-from ..source.annotations import Note, all_notes, load_all
-from .catalog import Lab
+from vllm_tour.compare.components import COMPONENTS
+from vllm_tour.errors import TourError
+from vllm_tour.lab.catalog import Lab
+from vllm_tour.notes.annotations import Note, all_notes, load_all
+from vllm_tour.paths import REPO_ROOT
 
 UNFILLED = "not written yet"  # in every stub's NotImplementedError message (check.py looks for stubs)
 NOTE_HINT_CHARS = 220

@@ -18,12 +18,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..errors import TourError
-from ..pins import load_pin, source_digest
-from ..probes import maca
-from ..probes.base import Probe
-from .plugin_source import PLATFORM_GROUP, Backend, EntryPoint, Patch, PluginSource, opened
-from .package_names import PackageNames
+from vllm_tour.errors import TourError
+from vllm_tour.platforms.package_names import PackageNames
+from vllm_tour.platforms.plugin_source import PLATFORM_GROUP, Backend, EntryPoint, Patch, PluginSource, opened
+from vllm_tour.probes import maca
+from vllm_tour.probes.base import Probe
+from vllm_tour.upstream.pins import load_pin, source_digest
 
 PLATFORMS = {maca.PLATFORM: maca}  # platform plugin -> its probe declarations module
 
@@ -68,7 +68,7 @@ def check_plugin(platform: str, pin: str, source: Path, tree=None) -> PluginRepo
     if dist is None:
         raise TourError(f"pin {pin} names no {platform} distribution (pins/{pin}.toml [distributions.{platform}])")
     if tree is None:
-        from ..source.pinned import tree_for_pin
+        from vllm_tour.notes.pinned import tree_for_pin
 
         tree = tree_for_pin(pin)
     with opened(source) as root:
@@ -117,8 +117,8 @@ def _patches(report: PluginReport, upstream: PackageNames) -> list[Finding]:
 
 def _probes(report: PluginReport, src: PluginSource, backends: list[str], upstream: PackageNames,
             plugin: PackageNames) -> list[Finding]:
-    from ..probes.install import probes_for
-    from ..probes.static import hook_problems
+    from vllm_tour.probes.install import probes_for
+    from vllm_tour.probes.static import hook_problems
     registered = {b.name: b for b in src.backends()}
     patched = {p.target: p for p in report.patches if p.applied_by}
     owners = PLATFORMS[report.platform].OWNER_METHOD

@@ -12,8 +12,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from ..errors import TourError
-from .plugin_source import Module, parse_file, top_level
+from vllm_tour.errors import TourError
+from vllm_tour.platforms.plugin_source import Module, parse_file, top_level
 
 _MAX_HOPS = 12  # re-exports and base classes followed before giving up (a cycle would loop)
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from ..errors import TourError
+from vllm_tour.errors import TourError
 
 PLATFORM_GROUP = "vllm.platform_plugins"
 GENERAL_GROUP = "vllm.general_plugins"

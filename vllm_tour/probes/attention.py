@@ -14,10 +14,10 @@ from bisect import bisect_left
 
 import numpy as np
 
-from ..trace.writer import RECORDER as R
-from . import capture
-from .base import Probe
-from .runner import int_list
+from vllm_tour.probes import capture
+from vllm_tour.probes.base import Probe
+from vllm_tour.probes.runner import int_list
+from vllm_tour.trace.writer import RECORDER as R
 
 PINS = ("v0.32.0",)
 CPU_ATTN = "vllm.v1.attention.backends.cpu_attn"
@@ -217,8 +217,8 @@ build = Probe(
 
 
 def _profile_layout(backend: str) -> str | None:
-    from .. import pins
-    from .install import current_pin
+    from vllm_tour.probes.run_env import current_pin
+    from vllm_tour.upstream import pins
 
     return pins.pin_profile(current_pin()).kv_layouts.get(backend)
 

@@ -23,8 +23,9 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..errors import TourError
-from ..trace.writer import FAULT_ENV  # tests set it to make the named probe raise on every call
+from vllm_tour.errors import TourError
+from vllm_tour.trace.writer import FAULT_ENV  # tests set it to make the named probe raise on every call
+
 _SKIP = object()  # `before` failed: skip `after` for this call
 
 

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import re
 
-from ..trace.schema import CaptureRecord
-from ..trace.writer import RECORDER as R
-from .base import Probe
-from .kv_layout import CANONICAL_LAYOUT, cpu_canonical
+from vllm_tour.probes.base import Probe
+from vllm_tour.probes.kv_layout import CANONICAL_LAYOUT, cpu_canonical
+from vllm_tour.trace.schema import CaptureRecord
+from vllm_tour.trace.writer import RECORDER as R
 
 PINS = ("v0.32.0",)
 CUDA_PINS = ("v0.21.0",)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import os
 
-from ..errors import TourError
+from vllm_tour.errors import TourError
 
 ISA_ENV = "VLLM_TOUR_CPU_ATTN_ISA"  # set by run_upstream from the scenario, read in every vLLM process
 TARGET = "vllm.v1.attention.backends.cpu_attn._get_attn_isa"

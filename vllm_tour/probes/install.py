@@ -12,15 +12,11 @@ import functools
 import importlib.util
 import os
 
-from ..errors import TourError
-from ..trace.writer import RECORDER
-from . import attention, capture, kv, maca, moe, runner, scheduler, tp
-from .base import Probe, Resolved, install, resolve
-
-PIN_ENV = "VLLM_TOUR_PIN"
-BACKEND_ENV = "VLLM_TOUR_ATTN_BACKEND"  # set by run_upstream: the attention backend the engine runs
-PLATFORM_ENV = "VLLM_TOUR_PLATFORM"  # a platform plugin's name (maca), overriding what is installed
-TP_ENV = "VLLM_TOUR_TP_SIZE"  # set by run_upstream: the run's tensor_parallel_size (unset: not known)
+from vllm_tour.errors import TourError
+from vllm_tour.probes import attention, capture, kv, maca, moe, runner, scheduler, tp
+from vllm_tour.probes.base import Probe, Resolved, install, resolve
+from vllm_tour.probes.run_env import PLATFORM_ENV, current_backend, current_pin, current_tp_size
+from vllm_tour.trace.writer import RECORDER
 
 # Order matters only for reading: scheduler side, then worker side.
 PROBES: list[Probe] = [*scheduler.PROBES, *kv.PROBES, *runner.PROBES, *attention.PROBES, *capture.PROBES, *tp.PROBES,
@@ -37,22 +33,6 @@ def current_platform() -> str | None:
     return next((name for name, pkg in PLATFORM_PACKAGES.items() if importlib.util.find_spec(pkg) is not None), None)
 
 
-def current_pin() -> str:
-    from ..pins import DEFAULT_PIN
-
-    return os.environ.get(PIN_ENV) or DEFAULT_PIN
-
-
-def current_backend(pin: str) -> str | None:
-    from .. import pins
-
-    return os.environ.get(BACKEND_ENV) or pins.pin_profile(pin).default_attention_backend
-
-
-def current_tp_size() -> int | None:
-    return int(os.environ[TP_ENV]) if os.environ.get(TP_ENV) else None
-
-
 def probes_for(pin: str, backend: str | None = None, probes: list[Probe] | None = None,
                platform: str | None = None, tp_size: int | None = None) -> list[Probe]:
     """The declarations that apply on `pin` with attention backend `backend` (default: the pin's),
@@ -64,7 +44,7 @@ def probes_for(pin: str, backend: str | None = None, probes: list[Probe] | None 
     plugin (maca) registers its own classes under upstream's backend names. A name with no
     declaration for all three is an error.
     """
-    from .. import pins
+    from vllm_tour.upstream import pins
 
     probes = PROBES if probes is None else probes
     profile = pins.pin_profile(pin)

@@ -12,8 +12,8 @@ maca --source PATH` checks these declarations against the plugin's sources.
 
 from __future__ import annotations
 
-from .attention import build_probe
-from .capture import BLOCK_SELECT, forward_probe
+from vllm_tour.probes.attention import build_probe
+from vllm_tour.probes.capture import BLOCK_SELECT, forward_probe
 
 PLATFORM = "maca"
 PACKAGE = "vllm_metax"  # the package the plugin installs (its entry points live there)

@@ -18,8 +18,8 @@ The experts kernel differs per pin: the CPU's `CPUUnquantizedExperts` on v0.32.0
 
 from __future__ import annotations
 
-from ..trace.writer import RECORDER as R
-from .base import Probe
+from vllm_tour.probes.base import Probe
+from vllm_tour.trace.writer import RECORDER as R
 
 PINS = ("v0.32.0", "v0.21.0")
 RUNNER = "vllm.model_executor.layers.fused_moe.runner.moe_runner.MoERunner"

@@ -12,11 +12,11 @@ import operator
 import sys
 import time
 
-from ..trace.schema import Preemption
-from ..trace.writer import RECORDER as R
-from ..trace.writer import user_req_id
-from . import kv
-from .base import Probe
+from vllm_tour.probes import kv
+from vllm_tour.probes.base import Probe
+from vllm_tour.trace.schema import Preemption
+from vllm_tour.trace.writer import RECORDER as R
+from vllm_tour.trace.writer import user_req_id
 
 PINS = ("v0.32.0", "v0.21.0")
 SCHED = "vllm.v1.core.sched.scheduler.Scheduler"

@@ -2,7 +2,7 @@
 
 A pin that cannot be imported here (v0.21.0: CUDA-only wheel) is still checked
 in CI: every target of `install.probes_for(pin, backend)` must resolve in the
-pin's source tree (libcst, `vllm_tour.source.resolve`) to a def whose leading
+pin's source tree (libcst, `vllm_tour.notes.resolve`) to a def whose leading
 parameters are the probe's. Methods inherited from a base class are not
 followed: a probe targets the class that defines the method.
 """
@@ -12,8 +12,8 @@ from __future__ import annotations
 import ast
 import textwrap
 
-from ..errors import TourError
-from .base import Probe
+from vllm_tour.errors import TourError
+from vllm_tour.probes.base import Probe
 
 
 def source_params(tree, qualname: str) -> list[str]:
@@ -28,7 +28,7 @@ def source_params(tree, qualname: str) -> list[str]:
 
 def check_static(pin: str, tree, backends: list[str | None] | None = None, probes: list[Probe] | None = None) -> list[str]:
     """Problems (empty: all good) with the probes of `pin` on `tree`, for each backend declared for the pin."""
-    from .install import PROBES, probes_for
+    from vllm_tour.probes.install import PROBES, probes_for
 
     probes = PROBES if probes is None else probes
     if backends is None:

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import hashlib
 
-from ..trace.writer import RECORDER as R
-from .base import Probe
+from vllm_tour.probes.base import Probe
+from vllm_tour.trace.writer import RECORDER as R
 
 PINS = ("v0.32.0", "v0.21.0")
 CAPTURE = "tp"

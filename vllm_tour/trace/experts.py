@@ -6,7 +6,7 @@ from __future__ import annotations
 from rich.table import Table
 from rich.text import Text
 
-from .reader import Run, Step
+from vllm_tour.trace.reader import Run, Step
 
 MAX_ROWS = 32  # steps shown in the heat map; the rest are counted in the caption
 TOPK_SHOWN = 8  # tokens of top-k ids shown per record in the step detail

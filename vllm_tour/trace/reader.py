@@ -14,9 +14,9 @@ from pathlib import Path
 
 from pydantic import TypeAdapter, ValidationError
 
-from ..errors import TourError
-from ..paths import GOLDEN_DIR, RUNS_DIR
-from .schema import (
+from vllm_tour.errors import TourError
+from vllm_tour.paths import GOLDEN_DIR, RUNS_DIR
+from vllm_tour.trace.schema import (
     SCHEMA_VERSION,
     AttentionRecord,
     CaptureRecord,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import msgspec
 
-from .schema import Proc, ProbeErrorRecord, ProbeTargetRecord
+from vllm_tour.trace.schema import ProbeErrorRecord, ProbeTargetRecord, Proc
 
 RUN_DIR_ENV = "VLLM_TOUR_RUN_DIR"
 CAPTURE_ENV = "VLLM_TOUR_CAPTURE"  # comma-separated capture names

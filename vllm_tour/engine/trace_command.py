@@ -1,0 +1,149 @@
+"""What `vllm-tour trace/show/export` do, behind the thin CLI: build the scenario, run, summarize."""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+from vllm_tour.errors import TourError
+from vllm_tour.scenario import Scenario, load_scenario, scenario_from_dict
+
+
+def build_scenario(
+    scenario_file: Path | None,
+    prompts: list[str],
+    requests_file: Path | None,
+    model: str | None,
+    pin: str | None,
+    max_tokens: int | None,
+    temperature: float | None,
+    seed: int | None,
+    ignore_eos: bool,
+    engine: dict,
+    chat: bool = False,
+) -> Scenario:
+    """A scenario from a file, from --request prompts, or a file overridden by flags; with `chat`, its
+    text prompts in the model's chat template (chat.apply_chat)."""
+    prompts = list(prompts)
+    if requests_file is not None:
+        if not requests_file.is_file():
+            raise TourError(f"requests file {requests_file} does not exist")
+        prompts += [line for line in requests_file.read_text(encoding="utf-8").splitlines() if line.strip()]
+        if not prompts:
+            raise TourError(f"requests file {requests_file} has no prompts (one per line)")
+    if scenario_file is None and not prompts:
+        raise TourError("nothing to run: give --request TEXT (repeatable), --requests-file FILE or --scenario FILE.toml")
+    if scenario_file is not None:
+        data = load_scenario(scenario_file).model_dump(exclude_none=True)
+    else:
+        data = {"name": _slug(prompts[0]), "requests": []}
+    if prompts:  # prompts from the command line replace the scenario's requests
+        data["requests"] = [{"id": f"r{i}", "prompt": p} for i, p in enumerate(prompts)]
+    for r in data["requests"]:
+        if max_tokens is not None:
+            r["max_tokens"] = max_tokens
+        if temperature is not None:
+            r["temperature"] = temperature
+        if seed is not None:
+            r["seed"] = seed
+        if ignore_eos:
+            r["ignore_eos"] = True
+    if model:
+        data["model"] = model
+    if pin:
+        data["pin"] = pin
+    data["engine"] = {**data.get("engine", {}), **{k: v for k, v in engine.items() if v is not None}}
+    sc = scenario_from_dict(data, "trace options")
+    if chat:
+        from vllm_tour.upstream.chat import apply_chat
+
+        sc = apply_chat(sc)
+    return sc
+
+
+def _slug(text: str) -> str:
+    words = "".join(c if c.isalnum() else " " for c in text).split()
+    return "-".join(words[:4]).lower() or "prompt"
+
+
+def check_out(out: Path | None, force: bool) -> None:
+    """A rerun into an existing run dir replaces its records: only with --force."""
+    if out is not None and out.is_dir() and any(out.iterdir()) and not force:
+        raise TourError(f"--out {out} exists and is not empty (a trace replaces its meta.json, records and captures): "
+                        "give --force to replace them, or another --out")
+
+
+def trace(scenario: Scenario, out: Path | None, capture: list[str], capture_steps: str, multiprocess: bool, console: Console,
+          logprobs: int | None = None, force: bool = False) -> Path:
+    from vllm_tour.engine.run import run_upstream
+    from vllm_tour.trace.reader import load_run
+
+    check_out(out, force)
+
+    started = time.time()
+    total = len(scenario.requests)
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} requests"), TimeElapsedColumn(), console=console, transient=True,
+                  disable=not console.is_terminal) as bar:
+        task = bar.add_task(f"starting upstream vLLM ({scenario.model})…", total=total)
+
+        def progress(step: int, done: int, total: int) -> None:
+            bar.update(task, completed=done, description=f"step {step}")
+
+        run_dir = run_upstream(scenario, out, capture, progress, multiprocess=multiprocess, capture_steps=capture_steps,
+                               logprobs=logprobs)
+    run = load_run(run_dir)
+    summarize(run, time.time() - started, console)
+    return run_dir
+
+
+def summarize(run, elapsed: float, console: Console) -> None:
+    print_ = functools.partial(console.print, highlight=False)
+    steps = run.steps
+    preempt = [(s.index, p.req_id) for s in steps if s.scheduler for p in s.scheduler.preempted]
+    hits = [(s.index, h.req_id, h.num_hit_tokens) for s in steps if s.kv for h in s.kv.prefix_hits]
+    gen = sum(len(o.token_ids) for o in run.outputs.requests) if run.outputs else 0
+    peak = max((s.kv.usage for s in steps if s.kv), default=0.0)
+    batch = max((len(s.scheduler.scheduled) for s in steps if s.scheduler), default=0)
+    print_(f"[bold]traced[/] {len(run.meta.requests)} request(s), {len(steps)} steps, {gen} tokens generated in {elapsed:.1f}s (pin {run.meta.pin}, {run.meta.model})")
+    print_(f"  largest batch {batch} · peak KV usage {peak:.1%} · preemptions {len(preempt)} · prefix-cache hits {len(hits)}")
+    for i, rid in preempt[:3]:
+        print_(f"  step {i}: preempted {rid}")
+    for i, rid, n in hits[:3]:
+        print_(f"  step {i}: {rid} reused {n} cached tokens")
+    if run.outputs:
+        for o in run.outputs.requests[:4]:
+            print_(escape(f"  {o.req_id}: {len(o.token_ids)} tokens → {o.text[:50]!r}"))
+        if run.meta.weights_note:
+            print_(f"  [dim]{escape(run.meta.weights_note)}[/]")
+    if run.errors:
+        print_(f"  [bold red]{len(run.errors)} probe error(s)[/]: " + escape(f"{run.errors[0].probe}: {run.errors[0].error}"))
+    for w in run.warnings:
+        print_("  [yellow]warning:[/] " + escape(w))
+    where = _display(run.path)
+    print_(f"  run dir: {where}")
+    print_(f"  see it:  vllm-tour show {where}  (--step N, --request ID)")
+    print_(f"  export:  vllm-tour export {where} --format perfetto")
+
+
+def _display(path: Path) -> str:
+    """The run dir as the user would type it: relative when under the current directory."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
+def quiet_vllm(verbose: bool) -> None:
+    """vLLM logs INFO lines from every process; the tour's own display is enough by default."""
+    if not verbose:
+        import warnings
+
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        warnings.filterwarnings("ignore", category=DeprecationWarning)

@@ -1,0 +1,208 @@
+"""`vllm-tour annotations verify`: prove notes' claims on live upstream runs.
+
+annotations/proofs/<pin>.toml maps a note id to the scenario that shows the
+behaviour, the check (a function in source/proofs/) that tests it on that
+scenario's trace, and the claim in both languages, as true of that pin (the
+file sits apart from the notes, which `annotations` loads from annotations/*.toml):
+
+    [pool-free-order]
+    scenario = "cmp_evict"                       # traces/scenarios/<name>.toml
+    check = "hashless_before_fresh_before_cached"
+    claim.en = "..."
+    claim.zh = "..."
+
+Each scenario runs once on the installed upstream engine (cached by scenario
+content, shared with `compare` and the tests); every claim on it is then checked.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import sys
+import tomllib
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from vllm_tour.errors import TourError
+from vllm_tour.notes import proofs
+from vllm_tour.notes.annotations import LANGS, all_notes, load_all
+from vllm_tour.paths import ANNOTATIONS_DIR, GOLDEN_DIR, SCENARIOS_DIR
+from vllm_tour.upstream import pins
+
+PROOFS_DIR = ANNOTATIONS_DIR / "proofs"
+CHECKS = {name: fn for mod in proofs.MODULES for name, fn in vars(mod).items()
+          if inspect.isfunction(fn) and fn.__module__ == mod.__name__ and not name.startswith("_")}
+
+
+class Proof(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    scenario: str
+    check: str
+    claim: dict[str, str]
+
+    @field_validator("claim")
+    @classmethod
+    def _bilingual(cls, v: dict[str, str]) -> dict[str, str]:
+        missing = [lang for lang in LANGS if not v.get(lang, "").strip()]
+        if missing:
+            raise ValueError(f"missing claim language(s) {missing}")
+        return v
+
+
+@dataclass
+class Verdict:
+    note: str
+    scenario: str
+    check: str
+    claim: str
+    holds: bool
+    step: int | None
+    evidence: str
+
+
+def load_proofs(path: Path) -> dict[str, Proof]:
+    """Note id -> Proof; TourError for a malformed file, an unknown note, scenario or check."""
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise TourError(f"cannot read {path}: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise TourError(f"{path}: not valid TOML ({e})") from None
+    notes = {n.id for n in all_notes(load_all())}
+    out = {}
+    for note_id, entry in data.items():
+        where = f"{path.name} [{note_id}]"
+        if not isinstance(entry, dict):
+            raise TourError(f"{where}: expected a table with scenario, check and claim")
+        try:
+            proof = Proof.model_validate(entry)
+        except ValidationError as e:
+            err = e.errors()[0]
+            raise TourError(f"{where}: {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+        if note_id not in notes:
+            raise TourError(f"{where}: no note with id '{note_id}' in {ANNOTATIONS_DIR}")
+        if not (SCENARIOS_DIR / f"{proof.scenario}.toml").is_file():
+            raise TourError(f"{where}: no scenario '{proof.scenario}' in {SCENARIOS_DIR}")
+        if proof.check not in CHECKS:
+            raise TourError(f"{where}: no check '{proof.check}' in {proofs.__name__}")
+        out[note_id] = proof
+    return out
+
+
+def proofs_for_pin(pin: str) -> dict[str, Proof]:
+    """The pin's proofs ({} when it has none): what the site marks as proven."""
+    path = PROOFS_DIR / f"{pin}.toml"
+    return load_proofs(path) if path.is_file() else {}
+
+
+def check_pin_installed(pin: str) -> None:
+    """Proofs run the live engine: the pin must be the installed vLLM."""
+    if pin not in pins.available_pins():
+        raise TourError(f"unknown pin {pin} (known: {', '.join(pins.available_pins())})")
+    inst = pins.installed_vllm()
+    here = f"{inst.dist} {inst.version}" if inst else "no vLLM"
+    if inst is None or f"v{inst.version}" != pin:
+        raise TourError(f"pin {pin} is not installed here ({here}): its proofs run only where that vLLM runs "
+                        f"(v0.21.0: the CUDA engine on the GPU machine)")
+
+
+def recorded_run(pin: str, scenario: str) -> Path:
+    """Where `--record` keeps the run a scenario's claims were verified on (what the site links to)."""
+    return GOLDEN_DIR / "proofs" / pin / scenario
+
+
+def _by_scenario(selected: dict[str, Proof]) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for note_id, proof in selected.items():
+        out.setdefault(proof.scenario, []).append(note_id)
+    return out
+
+
+def check_claims(run, name: str, note_ids: list[str], selected: dict[str, Proof]) -> list[Verdict]:
+    verdicts = []
+    for note_id in note_ids:
+        proof = selected[note_id]
+        try:
+            verdicts.append(Verdict(note_id, name, proof.check, proof.claim["en"], True, None, CHECKS[proof.check](run)))
+        except proofs.ClaimFailed as e:
+            verdicts.append(Verdict(note_id, name, proof.check, proof.claim["en"], False, e.step, e.evidence))
+    return verdicts
+
+
+def run_proofs(selected: dict[str, Proof], progress: Console, record_pin: str | None = None) -> list[Verdict]:
+    """Each scenario's upstream run (cached), its claims checked; with record_pin, a run whose claims all hold is
+    kept, small and without tensors, as recorded_run(record_pin, scenario)."""
+    from vllm_tour.compare.upstream import upstream_run_for
+    from vllm_tour.engine.golden import write_golden
+    from vllm_tour.scenario import load_scenario
+    from vllm_tour.trace.reader import load_run
+
+    verdicts = []
+    for name, note_ids in _by_scenario(selected).items():
+        progress.print(f"[dim]upstream run of {name} ({len(note_ids)} claim{'s' * (len(note_ids) != 1)})…[/]")
+        run = load_run(upstream_run_for(load_scenario(SCENARIOS_DIR / f"{name}.toml")))
+        these = check_claims(run, name, note_ids, selected)
+        if record_pin and all(v.holds for v in these):
+            write_golden(run, recorded_run(record_pin, name), drop_capture_records=True)
+        verdicts += these
+    return verdicts
+
+
+@contextmanager
+def _stdout_to_stderr():
+    """vLLM logs to stdout, and so do the engine processes it starts (they inherit fd 1): while engines run,
+    fd 1 is stderr, so that stdout stays the JSON report."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def verify(console: Console, pin: str | None, note_ids: list[str], as_json: bool, proofs_path: Path | None,
+           record: bool = False) -> int:
+    """Exit code: 0 every claim holds, 1 some claim fails. record: keep each verified run (recorded_run)."""
+    pin = pin or pins.active_pin_tag()
+    check_pin_installed(pin)
+    path = proofs_path or PROOFS_DIR / f"{pin}.toml"
+    table = load_proofs(path)
+    unknown = [n for n in note_ids if n not in table]
+    if unknown:
+        raise TourError(f"no proof for note(s) {', '.join(unknown)} in {path}")
+    selected = {n: table[n] for n in (note_ids or table)}
+    record_pin = pin if record else None
+    if as_json:
+        with _stdout_to_stderr():
+            verdicts = run_proofs(selected, Console(stderr=True), record_pin)
+    else:
+        verdicts = run_proofs(selected, console, record_pin)
+    failed = [v for v in verdicts if not v.holds]
+    if as_json:
+        print(json.dumps({"proven": len(verdicts) - len(failed), "failed": len(failed),
+                          "claims": [asdict(v) for v in verdicts]}, indent=2, ensure_ascii=False))
+        return 1 if failed else 0
+    out = Table(title=f"annotations verify — {len(verdicts) - len(failed)} of {len(verdicts)} claims hold")
+    for col in ("note", "scenario", "verdict", "evidence"):
+        out.add_column(col, overflow="fold")
+    for v in verdicts:
+        verdict = "[green]holds[/]" if v.holds else f"[red]FAILS[/] at step {v.step}" if v.step else "[red]FAILS[/]"
+        out.add_row(v.note, v.scenario, verdict, escape(v.evidence))
+    console.print(out)
+    for v in failed:
+        where = f"step {v.step}" if v.step is not None else "the whole run"
+        console.print(f"[red]claim fails[/] {v.note} on {v.scenario}, {where}: {escape(v.evidence)}\n"
+                      f"  claim: {escape(v.claim)}", soft_wrap=True)
+    return 1 if failed else 0

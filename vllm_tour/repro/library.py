@@ -1,0 +1,82 @@
+"""`vllm-tour repro --all`: run the library of repros and print one row per repro.
+
+The library is traces/repros/*.toml plus the older traces/scenarios/repro_*.toml.
+Each runs on the installed pin (its run directory under traces/runs/); a pin the
+file has expectations for that is not installed here is reported, with its
+declared verdict, as not run. The table is "as declared" or not: exit 0 when every
+verdict that ran matches the file's `verdicts` (REPRODUCED where it declares none).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from vllm_tour.errors import TourError
+from vllm_tour.paths import SCENARIOS_DIR, TRACES_DIR
+from vllm_tour.scenario import load_scenario
+
+REPROS_DIR = TRACES_DIR / "repros"
+
+
+def library() -> list[Path]:
+    return sorted(REPROS_DIR.glob("*.toml")) + sorted(SCENARIOS_DIR.glob("repro_*.toml"))
+
+
+def _evidence(res, width: int = 150) -> str:
+    """One line: the engine's failure when it failed, else the first unmet expectation's evidence
+    (when all hold, the last one's: the claim, checked after the requests' own expectations)."""
+    if res.failure:
+        line = f"engine failed: {res.failure.splitlines()[0]}"
+    else:
+        c = next((c for c in res.checks if not c.ok), None) or res.checks[-1]
+        line = f"{c.key}: {c.evidence[0] if c.evidence else ''}"
+    return line if len(line) <= width else line[:width - 1] + "…"
+
+
+def run_all(console: Console, paths: list[Path] | None = None) -> int:
+    from vllm_tour.repro.reproduce import GPU_PIN_NOTE, installed_pin, run_repro
+
+    paths = library() if paths is None else paths
+    if not paths:
+        raise TourError(f"no repros in {REPROS_DIR}")
+    here = installed_pin()
+    rows, ok = [], True
+    for i, path in enumerate(paths, 1):
+        sc = load_scenario(path)  # a broken file stops the run: one error line
+        pins = sc.pins() or [here]
+        cells = {}
+        evidence = ""
+        if here in pins:
+            how = "scheduler only" if sc.mode == "scheduler" else "engine"
+            console.print(f"[dim][{i}/{len(paths)}] {escape(sc.name)}: running on {here} ({how})…[/]")
+            res = run_repro(path)
+            mark = "" if res.as_declared else " [bold red](declared " + sc.declared_verdict(here) + ")[/]"
+            colour = "green" if res.as_declared else "red"
+            cells[here] = f"[{colour}]{res.verdict}[/]{mark}"
+            ok &= res.as_declared
+            evidence = _evidence(res)
+        for p in pins:
+            if p != here:
+                cells[p] = f"[dim]not run here; declared {sc.declared_verdict(p)}[/]"
+        rows.append((sc, cells, evidence))
+
+    all_pins = sorted({p for _, cells, _ in rows for p in cells}, reverse=True)
+    table = Table(title=f"repro library on {here}", show_lines=False)
+    table.add_column("repro")
+    table.add_column("upstream")
+    for p in all_pins:
+        table.add_column(p)
+    table.add_column("evidence", no_wrap=True, min_width=60)
+    for sc, cells, evidence in rows:
+        refs = " ".join(x for x in (f"#{sc.issue}" if sc.issue else "", f"PR #{sc.pr}" if sc.pr else "") if x)
+        table.add_row(escape(sc.name), refs, *[cells.get(p, "-") for p in all_pins], escape(evidence))
+    console.print(table)
+    others = [p for p in all_pins if p != here]
+    if others:
+        console.print(f"[dim]{', '.join(others)}: {GPU_PIN_NOTE}[/]")
+    console.print("[bold green]every verdict as declared[/]" if ok else "[bold red]some verdicts differ from their declaration[/]")
+    return 0 if ok else 1
