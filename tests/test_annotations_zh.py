@@ -8,7 +8,7 @@ from rich.console import Console
 from vllm_tour.paths import ANNOTATIONS_DIR
 from vllm_tour.site import commands
 from vllm_tour.notes.annotations import CJK_PUNCT, CJK_WORD, join_cjk_lines, load_all
-from vllm_tour.site.html import _MD
+from vllm_tour.site.markup import _MD
 
 # a line break Markdown renders as a space where Chinese has none: beside its punctuation, between its characters
 _SPACED_BREAK = re.compile(f"[{CJK_PUNCT}]\n|\n[{CJK_PUNCT}]|[{CJK_WORD}]\n[{CJK_WORD}]")

@@ -1,7 +1,7 @@
 """Golden traces recorded on the H200 (upstream vLLM 0.21.0, CUDA, TRITON_ATTN, fp32 with
 TRITON_F32_DEFAULT=ieee, i.e. upstream's Triton attention dots in true fp32) by
 `vllm_tour/gpu/cuda_run.sh --triton-f32 ieee`; the *_bf16 ones in bf16 with top-5 logprobs
-(traces/gpu-results/20261130-h200-v0.21.0-bf16). They cannot be re-recorded on CPU; what is checked
+(traces/results/20261130-h200-v0.21.0-bf16). They cannot be re-recorded on CPU; what is checked
 here: every probe family recorded on CUDA, and the reimpl's decisions and tokens against them."""
 
 import json
@@ -112,7 +112,7 @@ def _tf32_engine(cfg):
 def test_shared_prefix_near_tie_flips_with_tf32(tmp_path):
     """The prefix-hit request's first token: 64 of 90 tokens hit, 26 recomputed at positions 64..89; its top-2
     logits are 6e-4 apart in fp32. Upstream with TF32 attention dots (Triton's default on NVIDIA) sampled 469
-    there (the H200 run of 2026-11-29, traces/gpu-results/20261129-h200-v0.21.0-probes); with IEEE fp32 dots
+    there (the H200 run of 2026-11-29, traces/results/20261129-h200-v0.21.0-probes); with IEEE fp32 dots
     (this golden) it samples 335, as the plain fp32 reimpl does (test above). The reimpl with TF32-emulated
     attention flips the same tie the same way: TF32 explains the whole difference."""
     r = _compare_golden(tmp_path, "shared_prefix", engine_factory=_tf32_engine)
@@ -185,7 +185,7 @@ def test_reimpl_bf16_on_cpu_matches_upstream_cuda_bf16(tmp_path, name):
 
 
 def test_flash_attn_golden_probes_and_reimpl_bf16(tmp_path):
-    """FLASH_ATTN (fa3) on the H200, bf16 (traces/gpu-results/20261130-h200-v0.21.0-flash-bf16): its attention
+    """FLASH_ATTN (fa3) on the H200, bf16 (traces/results/20261130-h200-v0.21.0-flash-bf16): its attention
     probe recorded FlashAttention's metadata and KV layout every step, and the CPU bf16 reimpl makes every
     decision upstream made, its own greedy picks within vLLM's top-5 rule."""
     d = V0210 / "flash_attn" / "cmp_chunked_bf16"

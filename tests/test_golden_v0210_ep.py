@@ -1,6 +1,6 @@
 """EP=2 goldens from two H200s (upstream vLLM 0.21.0, tiny-qwen3-moe at TP=2 + enable_expert_parallel, mp executor,
 one worker per GPU, fp32 with TRITON_F32_DEFAULT=ieee; ep_single+tp1: the same requests at TP=1), traced with the
-MoE probes by `vllm_tour/gpu/cuda_run.sh --modules reimpl.ep` (traces/gpu-results/20261130-h200x2-v0.21.0-ep, whose
+MoE probes by `vllm_tour/gpu/cuda_run.sh --modules reimpl.ep` (traces/results/20261130-h200x2-v0.21.0-ep, whose
 compare step judged each rank's partial output on the GPU). Upstream EP cannot run on the CPU build (its experts
 kernel is handed global ids: repro_ep_tp2_cpu), so these runs are what `compare reimpl.ep` judges EP=2 against here:
 each upstream rank's expert map and local token counts, its routing, decisions and tokens."""

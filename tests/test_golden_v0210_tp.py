@@ -1,6 +1,6 @@
 """TP=2 goldens from two H200s (upstream vLLM 0.21.0, mp executor, one worker per GPU, TRITON_ATTN, fp32 with
 TRITON_F32_DEFAULT=ieee; bf16/ in bfloat16 with top-5 logprobs), traced with the rank-aware probes by
-`vllm_tour/gpu/cuda_run.sh --modules reimpl.tp` (traces/gpu-results/20261130-h200x2-v0.21.0-tp). They cannot be
+`vllm_tour/gpu/cuda_run.sh --modules reimpl.tp` (traces/results/20261130-h200x2-v0.21.0-tp). They cannot be
 re-recorded on CPU and carry no tensor captures; what is checked here: both ranks recorded their shards and
 every collective, and reimpl.tp (simulated ranks, on the CPU) holds the same shard bytes per rank, makes every
 decision upstream made and produces its tokens, at TP=2 and at TP=1."""

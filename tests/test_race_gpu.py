@@ -1,6 +1,6 @@
 """The race's orchestration (vllm_tour/bench/race_gpu.py) on the CPU: which sides, in what order, under what
 deadline, and which ratios make the headline. The sides themselves need the H200 (and upstream's CUDA engine);
-their figures are under traces/gpu-results/."""
+their figures are under traces/results/."""
 
 from __future__ import annotations
 

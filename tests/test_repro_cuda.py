@@ -1,7 +1,7 @@
 """The repro library on the CUDA pin (v0.21.0), re-checked here from the runs the GPU machine brought back.
 
 `vllm_tour/gpu/runner.py repro` ran every library file that speaks about v0.21.0 on an H200
-(traces/gpu-results/20261130-h200-v0.21.0-repros) and kept each run directory with a repro.json (the verdict, the
+(traces/results/20261130-h200-v0.21.0-repros) and kept each run directory with a repro.json (the verdict, the
 engine's failure and ERROR lines, each check) under traces/repros/cuda-v0.21.0/<name>/. This machine cannot run that
 pin, so the expectations are evaluated again, by today's code, on those records: the verdict must follow from them
 and be the one the file declares for v0.21.0."""

@@ -25,7 +25,7 @@ Four figures, because the machines this runs on are shared:
   hooks — CPU time spent inside the probe hooks per step, as a share of the
           untraced step's CPU time (the probes' own cost, measured directly).
 --json writes the figures with the machine (CPU model, AMX, GPU), the shapes,
-the vLLM version and the date (checked in under traces/bench-results/).
+the vLLM version and the date (checked in under traces/results/).
 """
 
 from __future__ import annotations

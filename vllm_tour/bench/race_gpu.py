@@ -54,7 +54,7 @@ What upstream (v0.21.0, graphs) does that the mini engine does not:
   fp32 probabilities, the mini engine in one Triton pass over the bf16 logits.
 
 Where the mini engine's time went, and what closed the gap (race_profile.py,
-traces/gpu-results/20261201-h200-v0.21.0-race/):
+traces/results/20261201-h200-v0.21.0-race/):
 - a decode step is ~80% attention, reading the KV cache at the copy ceiling
   (reimpl/triton_attn.py); with async scheduling the GPU waited for the host
   1 ms in a whole graphs race (`race_profile --gaps`; 99 ms in a race that

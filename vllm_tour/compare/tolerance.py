@@ -85,7 +85,7 @@ FP32_IEEE_DOTS = Tolerance(ATOL, RTOL, "fp32",
 #     all with max |Δ| <= 4e-2, inside the max rule, and decisions identical (scale and input-norm bugs: layer 1
 #     gain 1.2e-3..2.2e-3 too).
 #   RoPE of the queries one position ahead: rel_rms 0.19..0.22, max |Δ| 0.68..0.91.
-#   Against upstream CUDA (H200, Triton): max |Δ| 3.1e-2 for both modules (traces/gpu-results/20261130-*-bf16).
+#   Against upstream CUDA (H200, Triton): max |Δ| 3.1e-2 for both modules (traces/results/20261130-*-bf16).
 # Limits: |gain| <= 2^-10 (u/4 = 9.8e-4): 7.5x the correct code's, and the smallest bug's is 3x above it;
 # rel_rms <= 2^-6 (4u = 1.6e-2): 2.7x the correct code's. Not caught: a 0.5% post-attention RMSNorm weight
 # (gain -1.2e-3..-1.7e-3 on layer 1, too close to the limit to count on), and every RoPE position shifted by

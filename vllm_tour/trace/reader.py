@@ -73,6 +73,51 @@ class Run:
     def request_ids(self) -> list[str]:
         return [r.req_id for r in self.meta.requests]
 
+    def step_rows(self) -> list[dict]:
+        """The step table, one plain dict per engine step (`pandas.DataFrame(run.step_rows())` works).
+
+        Columns: step; the scheduler's view (waiting/running before and after, token budget, tokens
+        scheduled, the scheduled request ids in batch order, prefilling ids, preempted and finished ids);
+        the KV pool's (free blocks, usage, blocks allocated, freed, evicted, prefix-hit tokens), None where
+        the run has no KV record; ranks that wrote runner records. Values are copies: editing a row
+        changes nothing in the run.
+        """
+        rows = []
+        for s in self.steps:
+            sc, kv = s.scheduler, s.kv
+            rows.append({
+                "step": s.index,
+                "waiting_before": sc.waiting_before if sc else None,
+                "running_before": sc.running_before if sc else None,
+                "waiting_after": sc.waiting_after if sc else None,
+                "running_after": sc.running_after if sc else None,
+                "token_budget": sc.token_budget if sc else None,
+                "tokens_scheduled": sc.tokens_scheduled if sc else None,
+                "scheduled": [r.req_id for r in sc.scheduled] if sc else [],
+                "prefilling": [r.req_id for r in sc.scheduled if r.is_prefill] if sc else [],
+                "preempted": [p.req_id for p in sc.preempted] if sc else [],
+                "finished": list(sc.finished) if sc else [],
+                "free_blocks": kv.free_blocks if kv else None,
+                "kv_usage": kv.usage if kv else None,
+                "blocks_allocated": sum(len(b) for b in kv.allocated.values()) if kv else None,
+                "blocks_freed": len(kv.freed) if kv else None,
+                "blocks_evicted": len(kv.evicted) if kv else None,
+                "prefix_hit_tokens": sum(h.num_hit_tokens for h in kv.prefix_hits) if kv else None,
+                "ranks": sorted(s.runner),
+            })
+        return rows
+
+    def request_rows(self) -> list[dict]:
+        """One dict per (step, scheduled request): what the scheduler gave it and the blocks it held after."""
+        rows = []
+        for s in self.steps:
+            if s.scheduler is None:
+                continue
+            tables = s.kv.block_tables if s.kv else {}
+            for r in s.scheduler.scheduled:
+                rows.append({"step": s.index, **r.model_dump(), "block_table": list(tables.get(r.req_id, []))})
+        return rows
+
 
 def find_run(name: str | Path) -> Path:
     """A run directory from a path, a name under traces/runs or traces/golden, or "latest"."""
