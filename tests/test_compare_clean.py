@@ -103,5 +103,5 @@ def test_the_upstream_cache_key_follows_what_records_and_not_the_views(monkeypat
     upstream._probe_sources_digest()
     root = Path(upstream.__file__).resolve().parent.parent
     names = {p.relative_to(root).as_posix() for p in read}
-    assert {"probes/plugin.py", "probes/scheduler.py", "trace/schema.py", "trace/writer.py", "upstream_run.py"} <= names
-    assert not names & {"trace/render.py", "trace/reader.py", "trace/event_notes.py", "trace/perfetto.py"}
+    assert {"probes/plugin.py", "probes/scheduler.py", "trace/schema.py", "trace/writer.py", "engine/run.py"} <= names
+    assert not names & {"views/show.py", "trace/reader.py", "views/event_notes.py", "views/perfetto.py"}

@@ -146,7 +146,7 @@ def _run_ok(path: Path) -> bool:
 
 
 # What writes a run's records, beside the probes: a change to the views (show, export, the site) re-runs nothing
-RECORDING = ("trace/schema.py", "trace/writer.py", "upstream_run.py")
+RECORDING = ("trace/schema.py", "trace/writer.py", "engine/run.py")
 
 
 def _probe_sources_digest() -> str:

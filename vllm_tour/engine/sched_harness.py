@@ -20,7 +20,7 @@ import time
 from collections import deque
 from pathlib import Path
 
-from vllm_tour.engine.run import Progress, check_pin, engine_kwargs, env_allow_list, fail_run, platform_info
+from vllm_tour.engine.run import Progress, env_allow_list, fail_run, plan_run, platform_info
 from vllm_tour.paths import TOUR_VERSION as __version__
 from vllm_tour.scenario import RequestOptions, Scenario
 from vllm_tour.trace.schema import Outputs, RequestOutput, RunMeta
@@ -41,14 +41,9 @@ def run_scheduler(scenario: Scenario, run_dir: Path, progress: Progress | None =
     from vllm_tour.probes.install import check_probes, install_all
     from vllm_tour.probes.run_env import PIN_ENV
     from vllm_tour.scenario import _tokenizer
-    from vllm_tour.upstream.models import resolve_model
-    from vllm_tour.upstream.pins import active_pin_tag
 
-    tag = scenario.pin or active_pin_tag()
-    check_pin(tag)
-    model_path = resolve_model(scenario.model, scenario.engine.load_format)
-    scenario.check_model(model_path)
-    kwargs = engine_kwargs(scenario, model_path, tag)  # a bad engine.extra fails here, before vLLM is imported
+    plan = plan_run(scenario)
+    tag, model_path, kwargs = plan.pin, plan.model.path, plan.engine_args
     check_probes(tag, probes=scheduler_probes())
     tokenizer = _tokenizer(model_path)
     prompts = {r.req_id: list(r.prompt_token_ids) if r.prompt_token_ids is not None else tokenizer.encode(r.prompt).ids

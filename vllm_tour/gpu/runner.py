@@ -335,8 +335,9 @@ def _upstream_tokens(sc, model_dir: str, dtype: str, backend: str | None, logpro
     from vllm.inputs import TokensPrompt
 
     from vllm_tour.engine.run import engine_kwargs
+    from vllm_tour.upstream.models import kv_bytes_per_token
 
-    kw = engine_kwargs(sc, Path(model_dir), pin)
+    kw = engine_kwargs(sc, Path(model_dir), pin, kv_bytes_per_token(Path(model_dir), sc.engine.dtype))
     kw["dtype"] = dtype
     for k in ("disable_log_stats", "use_tqdm_on_load"):
         kw.pop(k, None)

@@ -20,6 +20,7 @@ import os
 import shutil
 import tempfile
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -360,3 +361,28 @@ def kv_bytes_per_token(model_dir: Path, dtype: str) -> int:
     head = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
     return 2 * cfg["num_hidden_layers"] * kv_heads * head * DTYPE_BYTES[dtype]
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """A model resolved once for a run: where it is and what the run, its meta.json and the views need of it."""
+
+    name: str  # as the scenario gives it
+    path: Path
+    weights: str  # weights_kind
+    weights_note: str | None
+    kv_bytes_per_token: int | None  # for the dtype the run asks (None: no config.json to size by)
+    digest: str | None  # model_digest (None: not readable)
+
+
+def model_facts(name: str, load_format: str, dtype: str) -> ModelFacts:
+    """Resolve `name` (a tiny model is generated on first use) and read what a run needs of it, once."""
+    path = resolve_model(name, load_format)
+    weights = weights_kind(name, load_format)
+    has_config = (path / "config.json").is_file()
+    try:
+        digest = model_digest(path)
+    except OSError:  # a checkpoint we may read but not walk whole; the run does not need the digest
+        digest = None
+    return ModelFacts(name=name, path=path, weights=weights, weights_note=weights_note(name, weights),
+                      kv_bytes_per_token=kv_bytes_per_token(path, dtype) if has_config else None, digest=digest)
