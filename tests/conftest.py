@@ -1,6 +1,7 @@
 """Shared pytest fixtures. Other areas append their own sections below; keep them session-scoped."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -26,6 +27,10 @@ def cli():
 # --- trace: upstream runs shared by tests/test_trace_*.py ------------------------------------
 
 
+def _slug(value) -> str:
+    return re.sub(r"[^\w.]+", "_", str(value))
+
+
 class _TraceRuns:
     """Runs each canonical scenario once per session (probes on or off), on demand."""
 
@@ -40,7 +45,8 @@ class _TraceRuns:
 
         key = (name, probes, tuple(sorted((k, str(v)) for k, v in kw.items())))
         if key not in self._cache:
-            tag = f"{name}-{'on' if probes else 'off'}" + "".join(f"-{k}" for k in sorted(kw))
+            # values too: two runs that differ only in a value (level="steps" / "blocks") get two directories
+            tag = f"{name}-{'on' if probes else 'off'}" + "".join(f"-{k}-{_slug(v)}" for k, v in sorted(kw.items()))
             self._cache[key] = run_upstream(load_scenario(SCENARIOS_DIR / f"{name}.toml"), self.root / tag, probes=probes, **kw)
         return self._cache[key]
 

@@ -180,6 +180,11 @@ def site(
     build_site(console, out, pin)
 
 
+LEVEL_HELP = ("What to record. steps: which requests ran in each step, token counts, queues, preemptions, finishes. "
+              "blocks (the default): + block tables, allocations, frees, evictions, prefix-cache hits. full: + the model "
+              "runner's inputs and the attention metadata (--capture implies it).")
+
+
 @app.command()
 def trace(
     request: list[str] = typer.Option([], "--request", "-r", help="A prompt to run; repeat for several requests (ids r0, r1, ...)."),
@@ -204,6 +209,7 @@ def trace(
     tp: Optional[int] = typer.Option(None, "--tp", help="Tensor-parallel size (1 or 2; 2 starts two worker processes)."),
     capture: list[str] = typer.Option([], "--capture", help="Save tensors: attn_out (per-layer attention output), kv_blocks (KV blocks written), router_logits, moe_out, moe_partial (MoE models: gate logits, output after and, with TP/EP > 1, each rank's partial before the all-reduce); comma-separated or repeated."),
     capture_steps: str = typer.Option("", help="Steps to capture, e.g. 1-3,7 (default: every step)."),
+    level: Optional[str] = typer.Option(None, "--level", help=LEVEL_HELP),
     logprobs: Optional[int] = typer.Option(None, "--logprobs", help="Record each generated position's top-K token ids and logprobs in outputs.json (default: 5 for a bf16 scenario, else none)."),
     out: Optional[Path] = typer.Option(None, help="Run directory (default traces/runs/<stamp>-<name>). An existing, non-empty one is refused unless --force."),
     force: bool = flag("--force", help="Trace into an existing --out: its meta.json, records and captures are deleted and replaced."),
@@ -235,7 +241,7 @@ def trace(
     )
     sc = command.build_scenario(scenario, request, requests_file, model, pin, max_tokens, temperature, seed, ignore_eos, engine,
                                 chat)
-    command.trace(sc, out, capture, capture_steps, multiprocess, console, logprobs, force)
+    command.trace(sc, out, capture, capture_steps, multiprocess, console, logprobs, force, level)
 
 
 @app.command()

@@ -9,21 +9,16 @@ tokens, prefix caching off so every round does the same work.
 (vllm_tour/bench/race_recipe.py: Qwen3-0.6B shapes with dummy weights, bf16,
 max_model_len 4096, 256 sequences; --num-seqs fewer), CUDA graphs + torch.compile
 unless --eager, the attention backend given by --backend.
-Rounds alternate A B B A ...: A runs with the probes uninstalled (pristine
-upstream callables), B with them installed and recording at the metadata level
-(scheduler, KV, runner and attention records; no tensors; no TP probes at TP=1).
-Each side first runs one warm-up round that is not timed into the ratios (the
-traced one is printed: what a trace's first round costs once).
+Sides: untraced (the probes uninstalled: pristine upstream callables) and one side per trace level
+(vllm_tour/trace/levels.py: steps, blocks, full), each with only the probes its level installs (no
+tensors; no TP probes at TP=1). Rounds run every side once per pass, each pass in the reverse order of
+the last (U S B F F B S U ...), so a slow drift of the machine's load cancels. Each traced side first
+runs one warm-up round that is not in the ratios (printed: what a trace's first round costs once).
 
-Four figures, because the machines this runs on are shared:
-  wall  — mean step wall time, traced / untraced (what a user feels; noisy
-          when other processes compete for the 2 cores);
-  pairs — the same per A B B A block of four adjacent rounds (a slow drift of
-          the machine's load cancels within a block): median and spread;
-  cpu   — mean step CPU time of this process, traced / untraced (less moved by
-          other processes, but not immune: its compute threads spin while they wait);
-  hooks — CPU time spent inside the probe hooks per step, as a share of the
-          untraced step's CPU time (the probes' own cost, measured directly).
+Per level: the wall ratio (median step time over rounds, traced / untraced: what a user feels), its
+spread over passes, the CPU ratio, and the breakdown from extra timed rounds: CPU time inside the hooks,
+and the wrappers' own cost (calls per step x the cost of one wrapper call, measured on a no-op).
+The last line, `ratio steps=<x> blocks=<y> full=<z>`, is the one to compare run to run.
 --json writes the figures with the machine (CPU model, AMX, GPU), the shapes,
 the vLLM version and the date (checked in under traces/results/).
 """
@@ -74,15 +69,15 @@ def workload(n: int, max_tokens: int, seed: int = 0):
 
 
 def run_round(engine, reqs, SamplingParams, tag: str, temperature: float = 0.0, probes=None,
-              run_dir: str | None = None) -> tuple[list[float], list[float]]:
+              run_dir: str | None = None, level: str = "full") -> tuple[list[float], list[float]]:
     """Run the workload to completion; (wall seconds, process CPU seconds) per step. With `probes` (resolved
-    probes): installed and recording into `run_dir` for this round only."""
+    probes, those of `level`): installed and recording into `run_dir` for this round only."""
     from vllm_tour.probes.base import install, uninstall
     from vllm_tour.trace.writer import RECORDER
 
     if probes is not None:
         install(probes, RECORDER)
-        RECORDER.activate(run_dir, "", "")
+        RECORDER.activate(run_dir, "", "", level=level)
     wall, cpu = [], []
     try:
         detokenize = not engine.vllm_config.model_config.skip_tokenizer_init  # the GPU recipe has no tokenizer
@@ -113,6 +108,26 @@ def thread_timed(fn, acc: dict[str, float], label: str):
             acc[label] += time.thread_time() - t0
 
     return timed
+
+
+def counted(fn, acc: dict[str, int], label: str):
+    """`fn` with its calls counted in acc[label]."""
+    acc[label] = 0
+
+    def call(*a, **k):
+        acc[label] += 1
+        return fn(*a, **k)
+
+    return call
+
+
+def wrapper_calls(hook_calls: dict[str, int]) -> dict[str, int]:
+    """Calls of each probe's wrapper from its hooks' counts ("<probe>.before"/".after": one call runs both)."""
+    out: dict[str, int] = {}
+    for label, n in hook_calls.items():
+        probe = label.rpartition(".")[0]
+        out[probe] = max(out.get(probe, 0), n)
+    return out
 
 
 def wrapped_hooks(resolved, wrap):
@@ -174,6 +189,34 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
 
 
+def wrapper_cost_per_call(calls: int = 200_000) -> float:
+    """Seconds one probe wrapper adds to a call, hooks aside: a wrapped no-op with a no-op after-hook,
+    recording on, against the same no-op hook called directly (both timed here, side by side)."""
+    from vllm_tour.probes.base import Probe, Resolved, make_wrapper
+
+    class _On:  # what the wrapper reads of the recorder on its hot path
+        active, capture, fault = True, set(), None
+
+    def target(self):
+        return None
+
+    def hook(token, result, self):
+        return None
+
+    probe = Probe(name="bench.noop", target="bench.noop", params=("self",), records="", pins=(), after=hook)
+    wrapped = make_wrapper(Resolved(probe, None, "target", target), _On())
+    best = []
+    for fn in (wrapped, lambda self: hook(None, target(self), self)):
+        runs = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn(None)
+            runs.append(time.perf_counter() - t0)
+        best.append(min(runs) / calls)
+    return best[0] - best[1]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=None, help="rounds per side (default 10; 3 with --gpu)")
@@ -186,88 +229,104 @@ def main() -> None:
 
     from vllm_tour.probes.install import check_probes
     from vllm_tour.probes.run_env import PIN_ENV
+    from vllm_tour.trace.levels import LEVELS
     from vllm_tour.upstream.pins import active_pin_tag
 
     tag = active_pin_tag()
     os.environ[PIN_ENV] = tag  # the probes look up per-pin facts (e.g. the CUDA backends' KV layouts) by it
     backend = args.backend if args.gpu else None
-    resolved = [r for r in check_probes(tag, backend=backend, tp_size=1) if not r.probe.capture_only]
-    hook_s: dict[str, float] = {}
-    timed = timed_probes(resolved, hook_s)  # for the breakdown round only: timing costs too
+    resolved = {lv: [r for r in check_probes(tag, backend=backend, tp_size=1, level=lv) if not r.probe.capture_only]
+                for lv in LEVELS}
+    sides = ["untraced", *LEVELS]
     engine_args, shapes, reqs, temperature = (gpu_engine_args if args.gpu else cpu_engine_args)(EngineArgs, args)
     engine = LLMEngine.from_engine_args(engine_args)
     run_round(engine, reqs, SamplingParams, "warmup", temperature)
-    # The traced side gets a warm-up round of its own: on the H200 the first traced round ran 0.5-1.3 ms per step
+    # Each traced side gets a warm-up round of its own: on the H200 the first traced round ran 0.5-1.3 ms per step
     # slower than the later ones in every run (one-time costs, not the probes' cost per step). Reported apart.
+    first_traced = {}
     with tempfile.TemporaryDirectory() as tmp:
-        first_traced, _ = run_round(engine, reqs, SamplingParams, "warmup-traced", temperature, resolved, tmp)
-    order = (["A", "B", "B", "A"] * rounds)[: 2 * rounds]
-    rounds_wall: list[float] = []  # in run order
-    wall: dict[str, list[float]] = {"A": [], "B": []}
-    cpu: dict[str, list[float]] = {"A": [], "B": []}
-    traced_steps = steps = 0
-    with tempfile.TemporaryDirectory() as tmp:
-        for k, side in enumerate(order):
+        for lv in LEVELS:
+            first_traced[lv], _ = run_round(engine, reqs, SamplingParams, f"warmup-{lv}", temperature, resolved[lv], tmp, lv)
+    # Blocks of every side, forward then backward (A B C D D C B A ...): a slow drift of the machine's load
+    # cancels within a block of two passes.
+    order = [side for k in range(rounds) for side in (sides if k % 2 == 0 else sides[::-1])]
+    wall: dict[str, list[float]] = {s: [] for s in sides}
+    cpu: dict[str, list[float]] = {s: [] for s in sides}
+    trace_bytes: dict[str, int] = {}
+    steps = 0
+    for k, side in enumerate(order):
+        with tempfile.TemporaryDirectory() as tmp:
+            traced = side != "untraced"
             w, c = run_round(engine, reqs, SamplingParams, f"{side}{k}", temperature,
-                             resolved if side == "B" else None, tmp)
-            wall[side].append(statistics.mean(w))
-            rounds_wall.append(wall[side][-1])
-            cpu[side].append(statistics.mean(c))
-            steps = len(w)
-        trace_bytes = sum(os.path.getsize(os.path.join(tmp, f)) for f in os.listdir(tmp))
-        for k in range(1 if args.gpu else 2):  # the breakdown: probes with timed hooks
-            w, _ = run_round(engine, reqs, SamplingParams, f"T{k}", temperature, timed, tmp)
-            traced_steps += len(w)
+                             resolved[side] if traced else None, tmp, side if traced else "full")
+            trace_bytes[side] = sum(os.path.getsize(os.path.join(tmp, f)) for f in os.listdir(tmp))
+        wall[side].append(statistics.mean(w))
+        cpu[side].append(statistics.mean(c))
+        steps = len(w)
+    # The breakdown: each level's probes with timed hooks (timing costs too: these rounds are not in the ratios)
+    hook_s: dict[str, dict[str, float]] = {}
+    calls: dict[str, dict[str, int]] = {}
+    traced_steps: dict[str, int] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for lv in LEVELS:
+            hook_s[lv], calls[lv] = {}, {}
+            timed = wrapped_hooks(resolved[lv], lambda label, fn, lv=lv: counted(thread_timed(fn, hook_s[lv], label), calls[lv], label))
+            w, _ = run_round(engine, reqs, SamplingParams, f"T{lv}", temperature, timed, tmp, lv)
+            traced_steps[lv] = len(w)
+    per_call = wrapper_cost_per_call()
 
     import vllm
 
     med = {s: statistics.median(v) for s, v in wall.items()}
     cmed = {s: statistics.median(v) for s, v in cpu.items()}
-    mn = {s: min(v) for s, v in wall.items()}
-    cmn = {s: min(v) for s, v in cpu.items()}
-    hooks = sum(hook_s.values()) / traced_steps
-    blocks = [rounds_wall[i : i + 4] for i in range(0, len(rounds_wall) - 3, 4)]  # A B B A
-    pairs = sorted((b[1] + b[2]) / (b[0] + b[3]) for b in blocks)
-    top = sorted(hook_s.items(), key=lambda kv: -kv[1])[:4]
+    # per pass of all sides: each level's round against the untraced round of the same pass
+    spread = {lv: [wall[lv][n] / wall["untraced"][n] for n in range(rounds)] for lv in LEVELS}
     hw = hardware()
-    goal = 1.02 if args.gpu else 1.03
+    goal = {"steps": 1.01, "blocks": 1.02, "full": 1.02 if args.gpu else 1.03}
     load = os.getloadavg()[0]
     work = (f"{len(reqs)} sequences of the race recipe ({sum(m for _, m in reqs)} output tokens)" if args.gpu
             else f"{args.requests} requests, prompts 16-128 tokens, {args.max_tokens} tokens each (ignore_eos)")
+    ratio = {lv: med[lv] / med["untraced"] for lv in LEVELS}
     print(f"hardware: {hw['cpu']}{' (AMX)' if hw['amx'] else ''}, {hw['cores']} cores{', ' + hw['gpu'] if 'gpu' in hw else ''}, "
           f"{hw['system']}, load average {load:.1f}")
     print(f"engine:   vLLM {vllm.__version__} (pin {tag}), {shapes}, in-process")
     print(f"workload: {work}, {steps} steps per round")
-    print(f"rounds:   {rounds} per side, interleaved A B B A; {trace_bytes // 1024} KiB of records written by the traced rounds")
-    print(f"wall:     untraced {med['A'] * 1e3:.2f} ms/step, traced {med['B'] * 1e3:.2f} ms/step (medians over rounds) -> ratio {med['B'] / med['A']:.3f}")
-    print(f"cpu:      untraced {cmed['A'] * 1e3:.2f} ms/step, traced {cmed['B'] * 1e3:.2f} ms/step (medians over rounds) -> ratio {cmed['B'] / cmed['A']:.3f}")
-    if pairs:
-        print(f"pairs:    wall ratio per A B B A block: median {statistics.median(pairs):.3f}, "
-              f"spread {pairs[0]:.3f}..{pairs[-1]:.3f} over {len(pairs)} blocks")
-    print(f"minimum:  wall untraced {mn['A'] * 1e3:.2f} / traced {mn['B'] * 1e3:.2f} ms/step -> ratio {mn['B'] / mn['A']:.3f}; "
-          f"cpu {cmn['A'] * 1e3:.2f} / {cmn['B'] * 1e3:.2f} -> ratio {cmn['B'] / cmn['A']:.3f} (fastest round per side)")
-    print(f"hooks:    {hooks * 1e6:.0f} us CPU per step inside probe hooks (extra timed rounds) = {hooks / cmed['A']:.1%} of the untraced step's CPU time")
-    print("          costliest: " + ", ".join(f"{k} {v / traced_steps * 1e6:.0f} us" for k, v in top))
-    print(f"warm-up:  the first traced round (not in the ratios) {statistics.mean(first_traced) * 1e3:.2f} ms/step")
-    print(f"overhead (step-time ratio, wall): {med['B'] / med['A']:.3f}   goal <= {goal}")
+    print(f"rounds:   {rounds} per side ({', '.join(sides)}), each pass of the sides reversed from the last")
+    print(f"untraced: {med['untraced'] * 1e3:.2f} ms/step wall, {cmed['untraced'] * 1e3:.2f} ms/step CPU (medians over rounds)")
+    for lv in LEVELS:
+        sp = sorted(spread[lv])
+        hooks = sum(hook_s[lv].values()) / traced_steps[lv]
+        n_calls = sum(wrapper_calls(calls[lv]).values()) / traced_steps[lv]
+        print(f"{lv + ':':9} wall {med[lv] * 1e3:.2f} ms/step -> ratio {ratio[lv]:.3f} (per pass {sp[0]:.3f}..{sp[-1]:.3f}, "
+              f"median {statistics.median(sp):.3f}; goal <= {goal[lv]}); cpu ratio {cmed[lv] / cmed['untraced']:.3f}; "
+              f"{trace_bytes[lv] // 1024} KiB per round")
+        print(f"          hooks {hooks * 1e6:.0f} us/step ({hooks / cmed['untraced']:.1%} of the untraced step's CPU); wrappers "
+              f"{n_calls:.1f} calls/step x {per_call * 1e9:.0f} ns = {n_calls * per_call * 1e6:.1f} us/step; "
+              f"first traced round {statistics.mean(first_traced[lv]) * 1e3:.2f} ms/step")
+        top = sorted(hook_s[lv].items(), key=lambda kv: -kv[1])[:3]
+        print("          costliest: " + ", ".join(f"{k} {v / traced_steps[lv] * 1e6:.0f} us" for k, v in top))
     if args.json:
         result = {
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": "python -m vllm_tour.bench.overhead " + " ".join(sys.argv[1:]),
             "hardware": {**hw, "load_average": round(load, 2)},
             "vllm_version": vllm.__version__, "pin": tag, "engine": shapes, "workload": work, "steps_per_round": steps,
-            "rounds_per_side": rounds, "trace_bytes": trace_bytes, "goal": goal,
-            "ratio": {"wall": round(med["B"] / med["A"], 4), "cpu": round(cmed["B"] / cmed["A"], 4),
-                      "wall_min": round(mn["B"] / mn["A"], 4), "cpu_min": round(cmn["B"] / cmn["A"], 4),
-                      "wall_blocks": [round(x, 4) for x in pairs]},
+            "rounds_per_side": rounds, "order": order, "goal": goal,
+            "ratio": {lv: round(ratio[lv], 4) for lv in LEVELS},
+            "ratio_per_pass": {lv: [round(x, 4) for x in spread[lv]] for lv in LEVELS},
+            "cpu_ratio": {lv: round(cmed[lv] / cmed["untraced"], 4) for lv in LEVELS},
             "ms_per_step": {"wall": {s: [round(x * 1e3, 3) for x in v] for s, v in wall.items()},
                             "cpu": {s: [round(x * 1e3, 3) for x in v] for s, v in cpu.items()}},
-            "first_traced_round_ms_per_step": round(statistics.mean(first_traced) * 1e3, 3),
-            "hooks_us_per_step": round(hooks * 1e6, 1),
-            "hooks_us_per_step_by_probe": {k: round(v / traced_steps * 1e6, 1) for k, v in sorted(hook_s.items(), key=lambda kv: -kv[1])},
+            "trace_bytes_per_round": trace_bytes,
+            "hooks_us_per_step": {lv: {k: round(v / traced_steps[lv] * 1e6, 1) for k, v in hook_s[lv].items()} for lv in LEVELS},
+            "wrapper_calls_per_step": {lv: {k: round(v / traced_steps[lv], 2) for k, v in wrapper_calls(calls[lv]).items()}
+                                       for lv in LEVELS},
+            "wrapper_ns_per_call": round(per_call * 1e9, 1),
         }
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1) + "\n")
+    # last, alone: one line to compare run to run
+    print(f"ratio steps={ratio['steps']:.3f} blocks={ratio['blocks']:.3f} full={ratio['full']:.3f}")
 
 
 if __name__ == "__main__":

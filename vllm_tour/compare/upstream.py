@@ -17,6 +17,7 @@ from pathlib import Path
 from vllm_tour.compare.modules import CAPTURES
 from vllm_tour.errors import TourError
 from vllm_tour.paths import RUNS_DIR
+from vllm_tour.trace import levels
 from vllm_tour.trace.reader import load_run
 
 CACHE_DIR = RUNS_DIR / "compare-cache"
@@ -67,6 +68,8 @@ PER_RANK_CAPTURES = ("moe_partial.",)
 
 def load_upstream(run_dir: Path) -> UpstreamRecords:
     run = load_run(Path(run_dir))
+    # compare judges runner inputs and attention metadata too: a run recorded below full lacks them
+    levels.require(run.meta.level, "full", "compare", run.path.name)
     steps: dict[int, dict] = {}
     for s in run.steps:
         step = {"captures": [c.model_dump(mode="json") for c in s.captures

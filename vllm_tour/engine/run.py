@@ -32,6 +32,8 @@ from vllm_tour.errors import TourError
 from vllm_tour.paths import RUNS_DIR, cache_dir, check_dir
 from vllm_tour.paths import TOUR_VERSION as __version__
 from vllm_tour.scenario import Scenario
+from vllm_tour.trace.levels import LEVEL_ENV, check_level
+from vllm_tour.trace.levels import has as has_level
 from vllm_tour.trace.logprobs import default_logprobs
 from vllm_tour.trace.schema import Outputs, RequestOutput, RunMeta
 from vllm_tour.trace.writer import CAPTURE_ENV, CAPTURE_STEPS_ENV, RECORDER, RUN_DIR_ENV, parse_steps, write_json_atomic
@@ -259,6 +261,7 @@ def run_upstream(
     capture_steps: str = "",
     fault: str | None = None,
     logprobs: int | None = None,
+    level: str = "full",
 ) -> Path:
     """Run `scenario` on the installed upstream vLLM; return the run directory.
 
@@ -266,7 +269,8 @@ def run_upstream(
     only): the reference for "probes change nothing". `fault` names a probe
     that is made to raise (tests). `logprobs` = k records each generated
     position's top-k token ids and logprobs in outputs.json (None: k = 5 unless
-    the scenario runs in float32; see default_logprobs). Everything that can be
+    the scenario runs in float32; see default_logprobs). `level` (trace/levels.py) is what the
+    probes record: the runner and attention probes need full, as captures do. Everything that can be
     checked is checked before the engine starts: pin, model, capture names,
     every probe target, the prompts against the model, where the run dir goes.
     """
@@ -276,6 +280,9 @@ def run_upstream(
 
     names = _check_capture(capture)
     _check_capture_steps(capture_steps)
+    check_level(level)
+    if names and not has_level(level, "full"):
+        raise TourError(f"--capture needs --level full (captures are taken by the runner and attention probes); got {level}")
     logprobs = default_logprobs(scenario.engine.dtype) if logprobs is None else logprobs
     if logprobs < 0:
         raise TourError(f"logprobs must be >= 0, got {logprobs}")
@@ -284,7 +291,7 @@ def run_upstream(
     run_dir = Path(run_dir) if run_dir else new_run_dir(scenario.name)
     check_dir(run_dir, "run directory")
     if probes:
-        check_probes(tag, backend=backend)  # a missing target fails here, before any engine starts
+        check_probes(tag, backend=backend, level=level)  # a missing target fails here, before any engine starts
     if scenario.engine.cpu_attention_isa:
         cpu_isa.check(scenario.engine.cpu_attention_isa, scenario.engine.dtype, backend)
 
@@ -295,7 +302,7 @@ def run_upstream(
         old.unlink()
     shutil.rmtree(run_dir / "captures", ignore_errors=True)  # a rerun into the same dir starts clean
 
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0", PIN_ENV: tag,
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0", PIN_ENV: tag, LEVEL_ENV: level,
            TP_ENV: str(scenario.engine.tensor_parallel_size)}
     if scenario.engine.attention_backend:  # else every process takes the pin's default
         env[BACKEND_ENV] = scenario.engine.attention_backend
@@ -318,6 +325,7 @@ def run_upstream(
         model_digest=plan.model.digest,
         weights=plan.model.weights,
         weights_note=plan.model.weights_note,
+        level=level,
         engine_args={**kwargs, "multiprocess": multiprocess, "probes": probes, "capture": names, "logprobs": logprobs},
         requests=[r.model_copy(update={"ignore_eos": bool(r.ignore_eos)}) for r in scenario.requests],
         env={},
@@ -333,7 +341,7 @@ def run_upstream(
             cpu_isa.install_override()
             if probes:
                 install_all(tag, backend=backend)  # this process; child processes install through the plugin
-                RECORDER.activate(run_dir.resolve(), ",".join(names), capture_steps, fault)
+                RECORDER.activate(run_dir.resolve(), ",".join(names), capture_steps, fault, level)
             outputs = _drive(scenario, kwargs, progress, logprobs)
         except BaseException as e:
             fail_run(meta, run_dir, e, "engine")

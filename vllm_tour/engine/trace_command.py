@@ -13,6 +13,8 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 
 from vllm_tour.errors import TourError
 from vllm_tour.scenario import Scenario, load_scenario, scenario_from_dict
+from vllm_tour.trace.levels import DEFAULT_LEVEL, check_level
+from vllm_tour.trace.levels import has as has_level
 
 
 def build_scenario(
@@ -80,11 +82,13 @@ def check_out(out: Path | None, force: bool) -> None:
 
 
 def trace(scenario: Scenario, out: Path | None, capture: list[str], capture_steps: str, multiprocess: bool, console: Console,
-          logprobs: int | None = None, force: bool = False) -> Path:
+          logprobs: int | None = None, force: bool = False, level: str | None = None) -> Path:
+    """`level` None: full when tensors are captured (the probes that take them need it), else the default."""
     from vllm_tour.engine.run import run_upstream
     from vllm_tour.trace.reader import load_run
 
     check_out(out, force)
+    level = check_level(level) if level else ("full" if capture else DEFAULT_LEVEL)
 
     started = time.time()
     total = len(scenario.requests)
@@ -96,7 +100,7 @@ def trace(scenario: Scenario, out: Path | None, capture: list[str], capture_step
             bar.update(task, completed=done, description=f"step {step}")
 
         run_dir = run_upstream(scenario, out, capture, progress, multiprocess=multiprocess, capture_steps=capture_steps,
-                               logprobs=logprobs)
+                               logprobs=logprobs, level=level)
     run = load_run(run_dir)
     summarize(run, time.time() - started, console)
     return run_dir
@@ -111,7 +115,9 @@ def summarize(run, elapsed: float, console: Console) -> None:
     peak = max((s.kv.usage for s in steps if s.kv), default=0.0)
     batch = max((len(s.scheduler.scheduled) for s in steps if s.scheduler), default=0)
     print_(f"[bold]traced[/] {len(run.meta.requests)} request(s), {len(steps)} steps, {gen} tokens generated in {elapsed:.1f}s (pin {run.meta.pin}, {run.meta.model})")
-    print_(f"  largest batch {batch} · peak KV usage {peak:.1%} · preemptions {len(preempt)} · prefix-cache hits {len(hits)}")
+    kv = f"peak KV usage {peak:.1%} · " if has_level(run.meta.level, "blocks") else ""
+    hit = f" · prefix-cache hits {len(hits)}" if has_level(run.meta.level, "blocks") else ""
+    print_(f"  level {run.meta.level} · largest batch {batch} · {kv}preemptions {len(preempt)}{hit}")
     for i, rid in preempt[:3]:
         print_(f"  step {i}: preempted {rid}")
     for i, rid, n in hits[:3]:

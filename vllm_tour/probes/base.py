@@ -50,6 +50,8 @@ class Probe:
     # Records only what crosses tensor-parallel ranks: left out of a run known to be TP=1, where it
     # would cost a wrapper call per layer per step and record nothing.
     multi_rank: bool = False
+    # The lowest trace level that keeps what it records (trace/levels.py): below it, it is not installed.
+    level: str = "full"
 
 
 @dataclass

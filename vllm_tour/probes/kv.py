@@ -55,6 +55,7 @@ free = Probe(
     pins=PINS,
     before=_free_before,
     after=_free_after,
+    level="blocks",
 )
 
 
@@ -73,6 +74,7 @@ evict = Probe(
     records="cached blocks whose hash is dropped so they can be reused (evictions)",
     pins=PINS,
     after=_evict_after,
+    level="blocks",
 )
 
 PROBES = [free, evict]

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 
+from vllm_tour.trace.levels import LEVEL_ENV
+
 PIN_ENV = "VLLM_TOUR_PIN"
 BACKEND_ENV = "VLLM_TOUR_ATTN_BACKEND"  # set by run_upstream: the attention backend the engine runs
 PLATFORM_ENV = "VLLM_TOUR_PLATFORM"  # a platform plugin's name (maca), overriding what is installed
@@ -23,6 +25,10 @@ def current_backend(pin: str) -> str | None:
     from vllm_tour.upstream import pins
 
     return os.environ.get(BACKEND_ENV) or pins.pin_profile(pin).default_attention_backend
+
+
+def current_level() -> str:
+    return os.environ.get(LEVEL_ENV) or "full"
 
 
 def current_tp_size() -> int | None:

@@ -118,12 +118,13 @@ def _schedule_after(token, out, self, *a, **kw):
             "preempted": [p.model_dump(mode="json") for p in R.preempted],
             "finished": sorted(user_req_id(r) for r in out.finished_req_ids),
         },
-        flush=False,  # the KV record below completes the step: one write() for both
+        flush=not R.kv_records and R.worker_step == 0,  # else the KV record below completes the step: one write()
     )
     R.preempted = []
     # Flushed now, unless this process also runs the model (in-process engine, or a
     # uniproc executor): then the runner record that ends this step flushes all four.
-    R.write(kv.kv_record(self, step, admitted), flush=R.worker_step == 0)
+    if R.kv_records:
+        R.write(kv.kv_record(self, step, admitted), flush=R.worker_step == 0)
 
 
 schedule = Probe(
@@ -135,6 +136,7 @@ schedule = Probe(
     pins=PINS,
     before=_schedule_before,
     after=_schedule_after,
+    level="steps",
 )
 
 
@@ -193,6 +195,7 @@ preempt = Probe(
     pins=PINS,
     before=_preempt_before,
     after=_preempt_after,
+    level="steps",
 )
 
 PROBES = [schedule, preempt]

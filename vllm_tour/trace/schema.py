@@ -339,6 +339,8 @@ class RunMeta(BaseModel):
     # model's real shapes); "generated": a tiny model's seeded weights. None: recorded before this field.
     weights: Literal["checkpoint", "dummy", "generated"] | None = None
     weights_note: str | None = None  # what in this trace is the model's and what is not, in words
+    # What was recorded (trace/levels.py). Runs recorded before levels existed hold everything: full.
+    level: Literal["steps", "blocks", "full"] = "full"
     engine_args: dict
     requests: list[RequestSpec]
     env: dict[str, str]  # allow-listed variables only: never secrets

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import msgspec
 
+from vllm_tour.trace import levels
 from vllm_tour.trace.schema import ProbeErrorRecord, ProbeTargetRecord, Proc
 
 RUN_DIR_ENV = "VLLM_TOUR_RUN_DIR"
@@ -68,6 +69,7 @@ class Recorder:
         self.capture: set[str] = set()
         self.capture_steps: set[int] | None = None
         self.fault: str | None = None
+        self.kv_records = True  # the scheduler probe writes a KV record each step (level blocks and up)
         self._file = None
         self._pending: list[bytes] = []  # encoded lines of this step not yet written (see write)
         self._procs: dict[tuple, dict] = {}
@@ -93,12 +95,14 @@ class Recorder:
         self.captures: dict[str, object] = {}
         self.capture_meta: dict[str, dict] = {}
 
-    def activate(self, run_dir: Path | str, capture: str = "", capture_steps: str = "", fault: str | None = None) -> None:
+    def activate(self, run_dir: Path | str, capture: str = "", capture_steps: str = "", fault: str | None = None,
+                 level: str = "full") -> None:
         self.close()
         self.run_dir = Path(run_dir)
         self.capture = {c.strip() for c in capture.split(",") if c.strip()}
         self.capture_steps = parse_steps(capture_steps)
         self.fault = fault or None
+        self.kv_records = levels.has(level, "blocks")
         self.reset_counters()
         self.active = True
 
@@ -108,7 +112,8 @@ class Recorder:
             return False
         if self.active and self.run_dir == Path(run_dir):
             return True
-        self.activate(run_dir, os.environ.get(CAPTURE_ENV, ""), os.environ.get(CAPTURE_STEPS_ENV, ""), os.environ.get(FAULT_ENV))
+        self.activate(run_dir, os.environ.get(CAPTURE_ENV, ""), os.environ.get(CAPTURE_STEPS_ENV, ""), os.environ.get(FAULT_ENV),
+                      os.environ.get(levels.LEVEL_ENV) or "full")
         return True
 
     def deactivate(self) -> None:

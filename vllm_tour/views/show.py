@@ -9,6 +9,7 @@ from rich.table import Table
 from rich.text import Text
 
 from vllm_tour.errors import TourError
+from vllm_tour.trace import levels
 from vllm_tour.trace.experts import expert_view, moe_detail
 from vllm_tour.trace.reader import Run, Step
 from vllm_tour.views.event_notes import notes_line, step_concepts
@@ -98,7 +99,11 @@ def step_table(run: Run, focus: str | None = None, only: Step | None = None) -> 
     col = colors(run)
     title = escape(f"{run.path.name} — step {only.index} of {len(run.steps)}" if only else f"{run.path.name} — {len(run.steps)} steps")
     table = Table(title=title, title_justify="left", expand=False)
-    for c, j in (("step", "right"), ("wait", "right"), ("run", "right"), ("tokens", "right"), ("batch  (N new · R resumed · P prefill tokens · D decode)", "left"), ("KV free (usable)", "right"), ("events", "left")):
+    blocks = levels.has(run.meta.level, "blocks")  # no KV column for a run that recorded none
+    columns = [("step", "right"), ("wait", "right"), ("run", "right"), ("tokens", "right"),
+               ("batch  (N new · R resumed · P prefill tokens · D decode)", "left"),
+               *([("KV free (usable)", "right")] if blocks else []), ("events", "left")]
+    for c, j in columns:
         table.add_column(c, justify=j, overflow="fold")
     finishing = last_steps(run)
     for s in [only] if only else run.steps:
@@ -111,7 +116,7 @@ def step_table(run: Run, focus: str | None = None, only: Step | None = None) -> 
             f"{sch.running_before}→{sch.running_after}" if sch else "",
             f"{sch.tokens_scheduled}/{sch.token_budget}" if sch else "",
             _batch_cell(s, col, focus),
-            f"{kv.free_blocks}/{kv.num_blocks}" if kv else "",
+            *([f"{kv.free_blocks}/{kv.num_blocks}" if kv else ""] if blocks else []),
             _events_cell(s, run, finishing.get(s.index, [])),
         )
     return table
@@ -169,12 +174,14 @@ def step_detail(run: Run, step: Step) -> Group:
             parts.append(Panel(body, title="preemption", expand=False))
         if sch.finished:
             parts.append(Text(f"finished before this step (blocks freed now): {', '.join(sch.finished)}", style="dim"))
+    parts += _not_recorded(run, "blocks", "block tables, KV pool, prefix-cache hits")
     if step.kv:
         parts.append(block_grid(run, step))
         kv = step.kv
         parts.append(Text(f"KV: {kv.free_blocks}/{kv.num_blocks} blocks free, usage {kv.usage:.1%}, freed {kv.freed or '-'}, evicted {kv.evicted or '-'}, prefix caching {'on' if kv.prefix_caching else 'off'}"))
         for h in kv.prefix_hits:
             parts.append(Text(f"prefix hit: {h.req_id} reuses blocks {h.block_ids} ({h.num_hit_tokens} tokens)", style="green"))
+    parts += _not_recorded(run, "full", "model runner inputs, attention metadata")
     for rank, rr in sorted(step.runner.items()):
         t = Table(title=f"model runner (rank {rank})", title_justify="left", show_header=False)
         t.add_column("field", style="bold")
@@ -257,7 +264,8 @@ def request_view(run: Run, rid: str) -> Group:
             new = set(s.kv.allocated.get(rid, []))
             hit = {b for h in s.kv.prefix_hits if h.req_id == rid for b in h.block_ids}
             t.add_row(str(s.index), " ".join(f"{b}{'+' if b in new else '*' if b in hit else ''}" for b in s.kv.block_tables[rid]))
-    parts.append(t)
+    missing = _not_recorded(run, "blocks", f"{rid}'s blocks per step")
+    parts += missing or [t]
     if run.outputs:
         for o in run.outputs.requests:
             if o.req_id == rid:
@@ -275,6 +283,7 @@ def header(run: Run) -> Text:
     # Upstream's pool holds one block more than it hands out: block 0, the null block, a placeholder
     # in block tables that never stores KV. "KV free" below counts the usable blocks only.
     blocks = f"KV blocks {usable} usable + 1 null (block 0, never allocated)" if usable is not None else "KV blocks: no KV records"
+    t.append(f"level {m.level} · ", style="dim")
     t.append(f"block_size {e.get('block_size')} · {blocks} · prefix caching {e.get('enable_prefix_caching')} · TP {e.get('tensor_parallel_size')} · budget {e.get('max_num_batched_tokens', 'default')}\n", style="dim")
     att = next((a for s in run.steps for _, a in sorted(s.attention.items())), None)
     if att is not None and att.layers:
@@ -306,6 +315,12 @@ def outputs_table(run: Run) -> Table:
     return t
 
 
+def _not_recorded(run: Run, needed: str, what: str) -> list[Text]:
+    """A section the run's level does not hold is one line saying so, never an empty grid."""
+    line = levels.missing_line(run.meta.level, needed, what)
+    return [Text(line, style="yellow")] if line else []
+
+
 def show(run: Run, console: Console, step: int | None = None, request: str | None = None) -> None:
     console.print(header(run))
     for w in run.warnings:
@@ -322,6 +337,8 @@ def show(run: Run, console: Console, step: int | None = None, request: str | Non
             console.print(Text("events in this run, and the notes on the code that makes them:\n  " + "\n  ".join(lines), style="dim"))
         if run.tp_shards:
             console.print(tp_summary(run))
+        for line in _not_recorded(run, "blocks", "block tables, KV pool, prefix-cache hits"):
+            console.print(line)
         if run.steps:
             busiest = max(run.steps, key=lambda s: (s.kv.num_blocks - s.kv.free_blocks) if s.kv else -1)
             if busiest.kv:
