@@ -60,3 +60,15 @@ def test_bad_level_and_capture_below_full_are_refused_before_the_engine(cli):
     assert out.returncode == 2 and "--level 'all': choose one of steps, blocks, full" in out.stdout + out.stderr
     out = cli("trace", "-r", "hi", "--level", "blocks", "--capture", "attn_out")
     assert out.returncode == 2 and "--capture needs --level full" in out.stdout + out.stderr
+
+
+def test_repro_records_what_its_expectations_need_and_refuses_less(cli):
+    from vllm_tour.paths import SCENARIOS_DIR
+    from vllm_tour.repro.reproduce import expectations_here, needed_level
+    from vllm_tour.scenario import load_scenario
+
+    ep = SCENARIOS_DIR / "repro_ep_tp2_cpu.toml"  # judged on each rank's expert map: MoE records, level full
+    assert needed_level(expectations_here(load_scenario(ep), ep, "v0.32.0")) == "full"
+    out = cli("repro", str(ep), "--level", "blocks")
+    assert out.returncode == 2
+    assert "--level blocks: repro_ep_tp2_cpu's expectations are judged on records of level full" in out.stdout + out.stderr

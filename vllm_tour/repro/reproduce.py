@@ -27,6 +27,7 @@ from rich.markup import escape
 from vllm_tour.errors import TourError
 from vllm_tour.repro.expect_sched import Check, scheduling_checks
 from vllm_tour.scenario import ExpectSpec, Scenario, load_scenario
+from vllm_tour.trace import levels
 from vllm_tour.trace.reader import Run, load_run
 
 
@@ -125,7 +126,20 @@ def expectations_here(sc: Scenario, path: Path | str, pin: str) -> ExpectSpec:
     return ex
 
 
-def run_repro(path: Path | str, run_dir: Path | None = None, force: bool = False, progress=None) -> ReproResult:
+# Expectations that read more than the scheduler records: the trace level they need (trace/levels.py)
+NEEDS_LEVEL = {"prefix_hit_tokens": "blocks", "blocked_behind": "blocks", "expert_maps": "full",
+               "moe_kernel_ids_out_of_range": "full"}
+
+
+def needed_level(ex: ExpectSpec) -> str:
+    """The lowest level whose records the expectations can be judged on; blocks at least, so that `show` of
+    a repro run has its block grid to look at."""
+    given = ex.model_dump(exclude_defaults=True)
+    return max(["blocks", *(NEEDS_LEVEL[k] for k in given if k in NEEDS_LEVEL)], key=levels.rank)
+
+
+def run_repro(path: Path | str, run_dir: Path | None = None, force: bool = False, progress=None,
+              level: str | None = None) -> ReproResult:
     from vllm_tour.engine.run import new_run_dir, run_upstream
     from vllm_tour.engine.sched_harness import run_scheduler
     from vllm_tour.engine.trace_command import check_out
@@ -134,6 +148,12 @@ def run_repro(path: Path | str, run_dir: Path | None = None, force: bool = False
     sc = load_scenario(path)
     pin = sc.pin or installed_pin()
     ex = expectations_here(sc, path, pin)
+    need = needed_level(ex)
+    level = levels.check_level(level) if level else need
+    if not levels.has(level, need):
+        raise TourError(f"--level {level}: {sc.name}'s expectations are judged on records of level {need} "
+                        f"({', '.join(k for k in ex.model_dump(exclude_defaults=True) if k in NEEDS_LEVEL) or 'show'}); "
+                        f"give --level {need} or leave it out")
     run_dir = Path(run_dir) if run_dir else new_run_dir(sc.name)
     handler = _ErrorLines()
     loggers = [logging.getLogger(n) for n in _ERROR_LOGGERS]
@@ -144,7 +164,7 @@ def run_repro(path: Path | str, run_dir: Path | None = None, force: bool = False
         if sc.mode == "scheduler":
             run_scheduler(sc, run_dir, progress)
         else:
-            run_upstream(sc, run_dir, probes=True, progress=progress)
+            run_upstream(sc, run_dir, probes=True, progress=progress, level=level)
     except TourError as e:
         if not _engine_failed(run_dir):
             raise  # it never started (pin, model, probes): could not run
