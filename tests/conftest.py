@@ -58,5 +58,5 @@ def trace_runs(tmp_path_factory):
 
 # --- compare: upstream runs for tests/test_compare_*.py -----------------------------
 # One upstream engine run per scenario per session, also cached on disk by scenario content
-# (traces/runs/compare-cache/), shared by both compared modules and every mutation test.
+# (the user cache's compare-runs/), shared by both compared modules and every mutation test.
 from vllm_tour.compare.pytest_plugin import compare_upstream, upstream_run  # noqa: E402,F401  (fixtures)

@@ -70,6 +70,32 @@ def pin(
 
 
 @app.command()
+def cache(
+    clear: list[str] = typer.Option([], "--clear", help="Delete this cache (models, sources, index, compare-runs, or all); repeat for several. Each is rebuilt on demand."),
+):
+    """List what vllm-tour keeps in the user cache ($VLLM_TOUR_CACHE, else ~/.cache/vllm-tour), with sizes; --clear frees one.
+
+      vllm-tour cache
+
+      vllm-tour cache --clear compare-runs     # upstream runs cached for compare: re-run on next use
+    """
+    from vllm_tour.paths import CACHES, cache_dir, cache_sizes, clear_cache
+
+    names = list(CACHES) if "all" in clear else clear
+    for name in names:
+        freed = clear_cache(name)
+        console.print(f"cleared {name}: {freed / 2**20:.1f} MiB freed")
+    sizes = cache_sizes()
+    table = Table(title=f"user cache: {cache_dir()}", title_justify="left")
+    for col in ("cache", "size", "holds"):
+        table.add_column(col, overflow="fold")
+    for name, what in CACHES.items():
+        table.add_row(name, f"{sizes[name] / 2**20:.1f} MiB", what)
+    table.add_row("total", f"{sum(sizes.values()) / 2**20:.1f} MiB", "")
+    console.print(table)
+
+
+@app.command()
 def doctor(
     pin: Optional[str] = typer.Option(None, "--pin", help="Pin tag to check against (default: the pin of the installed vLLM)."),
     vllm_root: Optional[Path] = typer.Option(None, help="Check this vLLM source tree instead of the installed one.", hidden=True),

@@ -2,6 +2,7 @@
 
 import importlib.metadata
 import os
+import shutil
 import tempfile
 import tomllib
 from pathlib import Path
@@ -36,6 +37,41 @@ def cache_dir() -> Path:
         return Path(override)
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "vllm-tour"
+
+
+# What lives in the user cache, by folder: each is rebuilt on demand when it is cleared.
+CACHES = {
+    "models": "the tiny models and the dummy-weight Qwen3-0.6B (generated on first use)",
+    "sources": "pinned vLLM sources fetched for `source --pin` and `annotations check`",
+    "index": "indexes of pinned sources (qualified name -> file and lines)",
+    "compare-runs": "upstream runs cached by scenario content for `compare`, the labs and the notes' proofs",
+}
+
+
+def compare_cache() -> Path:
+    return cache_dir() / "compare-runs"
+
+
+def _size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
+
+
+def cache_sizes() -> dict[str, int]:
+    """Bytes held by each cache folder (0: absent)."""
+    root = cache_dir()
+    return {name: _size(root / name) if (root / name).is_dir() else 0 for name in CACHES}
+
+
+def clear_cache(name: str) -> int:
+    """Delete one cache folder; returns the bytes freed."""
+    if name not in CACHES:
+        raise TourError(f"no cache {name!r} (caches: {', '.join(CACHES)})")
+    path = cache_dir() / name
+    if not path.is_dir():
+        return 0
+    freed = _size(path)
+    shutil.rmtree(path)
+    return freed
 
 
 # Output paths are checked before any work starts.

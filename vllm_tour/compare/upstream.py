@@ -1,6 +1,6 @@
 """The upstream side of a comparison: a finished run of the scenario (cached), read through trace.reader.
 
-Upstream runs are cached per scenario content (traces/runs/compare-cache/): every module
+Upstream runs are cached per scenario content (the user cache's compare-runs/, `vllm-tour cache`): every module
 and every test reuses one upstream run per scenario.
 """
 
@@ -16,11 +16,10 @@ from pathlib import Path
 
 from vllm_tour.compare.modules import CAPTURES
 from vllm_tour.errors import TourError
-from vllm_tour.paths import RUNS_DIR
+from vllm_tour.paths import compare_cache
 from vllm_tour.trace import levels
 from vllm_tour.trace.reader import load_run
 
-CACHE_DIR = RUNS_DIR / "compare-cache"
 CACHE_VERSION = 2  # bump when what we ask of upstream changes (2: top-k logprobs in bf16)
 
 
@@ -116,7 +115,7 @@ def upstream_run_for(scenario, fresh: bool = False, run_dir: Path | None = None,
 
     if run_dir is not None:
         return run_upstream(scenario, run_dir=run_dir, capture=list(CAPTURES), progress=progress)
-    path = CACHE_DIR / f"{scenario.name}-{_scenario_key(scenario)}"
+    path = compare_cache() / f"{scenario.name}-{_scenario_key(scenario)}"
     if not fresh and _run_ok(path):
         return path
     # Run into a private directory, then move it into place: two processes
@@ -132,7 +131,7 @@ def upstream_run_for(scenario, fresh: bool = False, run_dir: Path | None = None,
         shutil.rmtree(tmp, ignore_errors=True)
     # Runs under older keys are stale; drop those untouched for a day (not newer
     # ones: another session may still be reading them).
-    for old in CACHE_DIR.glob(f"{scenario.name}-*"):
+    for old in compare_cache().glob(f"{scenario.name}-*"):
         if (old != path and old.name[len(scenario.name) + 1:].isalnum()
                 and time.time() - old.stat().st_mtime > 86400):
             shutil.rmtree(old, ignore_errors=True)
