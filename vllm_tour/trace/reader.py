@@ -204,6 +204,20 @@ class _Tables:
         return value
 
 
+def _missing_rank_steps(steps: list[Step]) -> list[str]:
+    """A rank that recorded the model runner in some steps but not in others where another rank did: its
+    process ended (or was killed) before it flushed them. Said once per rank, never taken for agreement."""
+    ranks = sorted({r for s in steps for r in s.runner})
+    out = []
+    for r in ranks[1:] if len(ranks) > 1 else []:
+        missing = [s.index for s in steps if s.runner and r not in s.runner]
+        if missing:
+            shown = ", ".join(map(str, missing[:8])) + (", ..." if len(missing) > 8 else "")
+            out.append(f"rank {r} has no runner record for step(s) {shown} that other ranks recorded (its process "
+                       f"ended before it flushed them): those steps show the ranks that did")
+    return out
+
+
 def load_run(path: str | Path) -> Run:
     """Load a run directory (or a name: see find_run). Bad or missing files are TourErrors."""
     path = find_run(path)
@@ -261,5 +275,6 @@ def load_run(path: str | Path) -> Run:
     ordered = [steps[k] for k in sorted(steps)]
     # Step 0 only holds probe errors raised before the first schedule(): keep them, but not as a step.
     ordered = [s for s in ordered if s.index > 0 or s.scheduler or s.runner]
+    warnings += _missing_rank_steps(ordered)
     return Run(path=path, meta=meta, outputs=outputs, steps=ordered, errors=errors, warnings=warnings, tp_shards=tp_shards,
                replaced_targets=replaced)

@@ -104,17 +104,18 @@ def _collective_events(run: Run) -> list[dict]:
         events += [_meta(RANK_PID + r, None, "process_name", f"rank {r}"), _meta(RANK_PID + r, 1, "thread_name", "collectives")]
     flow = 0
     for s, (ts, dur) in zip(run.steps, _step_times(run)):
-        if not s.collectives:
+        present = [r for r in ranks if s.collectives.get(r)]  # a rank that never flushed a step is left out there
+        if not present:
             continue
-        n = len(s.collectives[ranks[0]])
-        for i, calls in enumerate(zip(*(s.collectives[r] for r in ranks))):
+        n = max(len(s.collectives[r]) for r in present)
+        for i, calls in enumerate(zip(*(s.collectives[r] for r in present))):
             start, width = ts + i * dur / n, dur / n
             flow += 1
-            for r, c in zip(ranks, calls):
+            for r, c in zip(present, calls):
                 events.append({"ph": "X", "pid": RANK_PID + r, "tid": 1, "name": f"{c.op} {c.layer}", "ts": start, "dur": width,
                                "args": {"step": s.index, "in": c.sha256_in[:12], "out": (c.sha256_out or "")[:12],
                                         "shape_in": c.shape_in, "shape_out": c.shape_out}})
-                events.append({"ph": "s" if r == ranks[0] else "f", "bp": "e", "id": flow, "cat": "collective",
+                events.append({"ph": "s" if r == present[0] else "f", "bp": "e", "id": flow, "cat": "collective",
                                "name": c.op, "pid": RANK_PID + r, "tid": 1, "ts": start + width / 2})
     return events
 
