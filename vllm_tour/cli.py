@@ -23,8 +23,11 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # Click's own help: it wraps every line at the terminal's width and never cuts an option's name
+    # (rich's option table cut "--max-num-batched…" at 80 columns).
+    rich_markup_mode=None,
 )
-models_app = typer.Typer(help="The embedded tiny checkpoints (generated, byte-identical everywhere).", no_args_is_help=True)
+models_app = typer.Typer(rich_markup_mode=None, help="The embedded tiny checkpoints (generated, byte-identical everywhere).", no_args_is_help=True)
 app.add_typer(models_app, name="models")
 
 console = Console()
@@ -135,7 +138,7 @@ def models_make(
     console.print(f"{name}: {path}  sha256 {models.model_digest(path)}")
 
 
-annotations_app = typer.Typer(help="Bilingual notes on the pinned upstream source (annotations/*.toml).", no_args_is_help=True)
+annotations_app = typer.Typer(rich_markup_mode=None, help="Bilingual notes on the pinned upstream source (annotations/*.toml).", no_args_is_help=True)
 app.add_typer(annotations_app, name="annotations")
 
 
@@ -306,8 +309,10 @@ def probes(
     if as_json:
         raise TourError("--json goes with --platform and --source")
     load_pin(tag)  # an unknown pin is named as such, not as a missing probe or backend
-    table = Table(title=f"probes — pin {tag}", title_justify="left")
-    for col in ("probe", "target", "records", "pins", ""):
+    # Below 120 columns a five-column table folds dotted names mid-word: one block per probe instead
+    narrow = console.width < 120
+    table = Table(title=f"probes — pin {tag}", title_justify="left", show_header=not narrow, show_lines=narrow)
+    for col in ("probe", "target", "records", "pins", "") if not narrow else ("probe",):
         table.add_column(col, overflow="fold")
     bad = []
     for p in probes_for(tag, platform=current_platform()):  # the pin's declarations, for its default attention backend
@@ -317,7 +322,11 @@ def probes(
         except TourError as e:
             bad.append(str(e))
             mark = "[red]MISSING[/]"
-        table.add_row(p.name + (" (capture)" if p.capture_only else ""), p.target, p.records, ", ".join(p.pins), mark)
+        name = p.name + (" (capture)" if p.capture_only else "")
+        if narrow:
+            table.add_row(f"[bold]{name}[/] {mark}\n{p.target}\n{p.records}\npins {', '.join(p.pins)}")
+        else:
+            table.add_row(name, p.target, p.records, ", ".join(p.pins), mark)
     console.print(table)
     if bad:
         raise TourError(bad[0])
@@ -397,7 +406,7 @@ def compare(
 
 @app.command()
 def repro(
-    scenario: Optional[Path] = typer.Argument(None, help="A scenario TOML with an \\[expect] section (traces/repros/, traces/scenarios/repro_*.toml)."),
+    scenario: Optional[Path] = typer.Argument(None, help="A scenario TOML with an [expect] section (traces/repros/, traces/scenarios/repro_*.toml)."),
     all_: bool = flag("--all", help="Run the whole library (traces/repros/ and traces/scenarios/repro_*.toml) and print a table."),
     out: Optional[Path] = typer.Option(None, help="Run directory (default traces/runs/<stamp>-<name>). An existing, non-empty one is refused unless --force."),
     force: bool = flag("--force", help="Run into an existing --out: its meta.json, records and captures are deleted and replaced."),
@@ -406,12 +415,12 @@ def repro(
 ):
     """Run a scenario that encodes an upstream issue; print REPRODUCED / NOT REPRODUCED on the installed pin, with the evidence.
 
-    Expectations (\\[expect], every pin; \\[expect."v0.21.0"], that pin only): engine_fails_with = "substring",
+    Expectations ([expect], every pin; [expect."v0.21.0"], that pin only): engine_fails_with = "substring",
     preempted / resumed / never_scheduled = ["r2"], prefix_hit_tokens = {r1 = 64}, tokens_equal = ["r0", "r1"],
     stalled = {r1 = 5}, max_scheduled_tokens = {r0 = 32}, blocked_behind = {small = "big"},
     kv_events = {BlockStored = 4}, kv_removed_while_cached = true (KV events: scheduler mode).
     `verdicts = {"v0.32.0" = "NOT REPRODUCED"}` declares a fixed pin; mode = "scheduler" runs upstream's
-    Scheduler alone with fabricated model outputs; \\[engine.extra] passes raw EngineArgs. Exit 0 reproduced, 1 not
+    Scheduler alone with fabricated model outputs; [engine.extra] passes raw EngineArgs. Exit 0 reproduced, 1 not
     reproduced, 2 could not run; with --all: 0 when every verdict is as declared, else 1.
     """
     from vllm_tour.engine.trace_command import quiet_vllm
@@ -433,7 +442,7 @@ def repro(
     raise typer.Exit(0 if res.reproduced else 1)
 
 
-lab_app = typer.Typer(help="Labs: write one component yourself (from a skeleton of the reference) and diff it against upstream.",
+lab_app = typer.Typer(rich_markup_mode=None, help="Labs: write one component yourself (from a skeleton of the reference) and diff it against upstream.",
                       no_args_is_help=True)
 app.add_typer(lab_app, name="lab")
 

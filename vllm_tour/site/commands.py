@@ -55,17 +55,23 @@ def run_check(console: Console, pin_tags: list[str], as_json: bool, show_diff: b
         print(json.dumps(rep.to_json(), indent=2, ensure_ascii=False))
         return 1 if rep.problem_count else 0
 
-    table = Table(title=f"annotations check — {len(notes)} notes")
-    for col in ("pin", "resolved", "orphaned", "unchecked", "stale", "unrecorded", "not shown", "drifted", "ambiguous"):
-        table.add_column(col, justify="right" if col != "pin" else "left")
+    # One row per count, one column per pin: as narrow as the pins are few (every word whole at 80 columns)
+    table = Table(title=f"annotations check — {len(notes)} notes", title_justify="left")
+    table.add_column("notes")
+    for r in rep.pins:
+        table.add_column(r.pin, justify="right")
 
     def red(n: int) -> str:
         return f"[red]{n}[/]" if n else "0"
 
-    for r in rep.pins:
-        d = rep.drift.get(r.pin)
-        table.add_row(r.pin, str(len(r.resolved)), red(len(r.orphaned)), red(len(r.unchecked)), red(len(r.stale)),
-                      red(len(r.unrecorded)), str(len(r.not_shown)), "—" if d is None else str(len(d)), str(len(r.ambiguous)))
+    drift = {r.pin: rep.drift.get(r.pin) for r in rep.pins}
+    rows = [("resolved", lambda r: str(len(r.resolved))), ("orphaned", lambda r: red(len(r.orphaned))),
+            ("unchecked", lambda r: red(len(r.unchecked))), ("stale", lambda r: red(len(r.stale))),
+            ("unrecorded", lambda r: red(len(r.unrecorded))), ("not shown", lambda r: str(len(r.not_shown))),
+            ("drifted", lambda r: "—" if drift[r.pin] is None else str(len(drift[r.pin]))),
+            ("ambiguous", lambda r: str(len(r.ambiguous)))]
+    for name, cell in rows:
+        table.add_row(name, *(cell(r) for r in rep.pins))
     console.print(table)
     console.print("[dim]resolved/orphaned: notes checked against the pin (`pins`, `variant`); unchecked: shown there "
                   "(the code resolves) but checked against other pins only; stale: its code (anchor, `depends`) changed "

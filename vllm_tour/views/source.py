@@ -13,6 +13,7 @@ from rich.markdown import Markdown
 from rich.padding import Padding
 from rich.panel import Panel
 from rich.syntax import Syntax
+from rich.table import Table
 from rich.text import Text
 
 from vllm_tour.notes.annotations import Note, caution_text
@@ -75,6 +76,11 @@ def render(console: Console, tree: SourceTree, symbol: Symbol, notes: list[Note]
         gutter = Text(f"{ln:>{width}} ", style="dim")
         gutter.append("▌" if marks else "│", style="bold yellow" if marks else "dim")
         gutter.append(" ")
-        console.print(Text.assemble(gutter, line), no_wrap=True, overflow="ellipsis", crop=True)
+        # A line longer than the terminal folds under itself, right of the gutter: code is never cut.
+        row = Table.grid()
+        row.add_column(width=width + 3, no_wrap=True)
+        row.add_column(overflow="fold")
+        row.add_row(gutter, line)
+        console.print(row)
         for i, p in after.get(ln, []):
             console.print(Padding(_note_panel(i, p, lang, pin), (0, 0, 0, width + 3)))
