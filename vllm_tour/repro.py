@@ -135,12 +135,15 @@ def expectations_here(sc: Scenario, path: Path | str, pin: str) -> ExpectSpec:
 def run_repro(path: Path | str, run_dir: Path | None = None, force: bool = False, progress=None) -> ReproResult:
     from .sched_harness import run_scheduler
     from .trace.command import check_out
+    from .paths import RUNS_DIR
+    from .trace.writer import mark_latest
     from .upstream_run import new_run_dir, run_upstream
 
     check_out(run_dir, force)  # and an old meta.json there would read as this run's failure
     sc = load_scenario(path)
     pin = sc.pin or installed_pin()
     ex = expectations_here(sc, path, pin)
+    fresh = not run_dir  # a new dir under traces/runs, created (atomically) here
     run_dir = Path(run_dir) if run_dir else new_run_dir(sc.name)
     handler = _ErrorLines()
     loggers = [logging.getLogger(n) for n in _ERROR_LOGGERS]
@@ -149,11 +152,14 @@ def run_repro(path: Path | str, run_dir: Path | None = None, force: bool = False
     failure = None
     try:
         if sc.mode == "scheduler":
+            mark_latest(RUNS_DIR, run_dir)
             run_scheduler(sc, run_dir, progress)
         else:
-            run_upstream(sc, run_dir, probes=True, progress=progress)
+            run_upstream(sc, run_dir, probes=True, progress=progress, latest=True)
     except TourError as e:
         if not _engine_failed(run_dir):
+            if fresh and run_dir.is_dir() and not any(run_dir.iterdir()):
+                run_dir.rmdir()  # nothing half-written: the dir this command created stays empty
             raise  # it never started (pin, model, probes): could not run
         failure = "\n".join(_chain(e.__cause__) or [str(e)])
     finally:

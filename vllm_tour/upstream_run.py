@@ -33,7 +33,8 @@ from .logprobs import default_logprobs
 from .paths import RUNS_DIR, cache_dir
 from .scenario import Scenario
 from .trace.schema import Outputs, RequestOutput, RunMeta
-from .trace.writer import CAPTURE_ENV, CAPTURE_STEPS_ENV, RECORDER, RUN_DIR_ENV, parse_steps, write_json_atomic
+from .trace.writer import (CAPTURE_ENV, CAPTURE_STEPS_ENV, RECORDER, RUN_DIR_ENV, allocate_run_dir, mark_latest, parse_steps,
+                           write_json_atomic)
 from .writable import check_dir
 
 Progress = Callable[[int, int, int], None]  # (engine steps done, requests finished, requests total)
@@ -66,14 +67,10 @@ def platform_info() -> dict[str, str]:
 
 
 def new_run_dir(slug: str) -> Path:
+    """Create a new run directory traces/runs/<stamp>-<slug>[-N]: unique even for runs started in the
+    same second with the same prompt (created atomically; see allocate_run_dir)."""
     slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", slug).strip("-")[:40] or "run"
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    path = RUNS_DIR / f"{stamp}-{slug}"
-    n = 1
-    while path.exists():
-        n += 1
-        path = RUNS_DIR / f"{stamp}-{slug}-{n}"
-    return path
+    return allocate_run_dir(RUNS_DIR, f"{time.strftime('%Y%m%d-%H%M%S')}-{slug}")
 
 
 def attention_backend(scenario: Scenario, pin: str) -> str | None:
@@ -211,11 +208,26 @@ def _check_capture_steps(spec: str) -> None:
         raise TourError(f"--capture-steps {spec!r}: give step numbers and ranges, e.g. 1-3,7")
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during a run: still a KeyboardInterrupt (exit 130), carrying where the partial run is."""
+
+    def __init__(self, run_dir: Path):
+        super().__init__(str(run_dir))
+        self.run_dir = run_dir
+
+
 def fail_run(meta, run_dir: Path, e: BaseException, what: str) -> NoReturn:
-    """Record the failure in the run's meta.json (what was traced up to it stays), then raise it as a TourError."""
-    meta.status, meta.error, meta.finished = "failed", f"{type(e).__name__}: {e}"[:2000], time.time()
+    """Record the failure in the run's meta.json (what was traced up to it stays), then raise it as a TourError.
+    Ctrl-C is no failure: the run is labelled "interrupted" and an `Interrupted` naming its dir is raised."""
+    if isinstance(e, KeyboardInterrupt):
+        meta.status, meta.error = "interrupted", "interrupted by the user (Ctrl-C)"
+    else:
+        meta.status, meta.error = "failed", f"{type(e).__name__}: {e}"[:2000]
+    meta.finished = time.time()
     write_json_atomic(run_dir / "meta.json", meta.model_dump(mode="json"))
-    if isinstance(e, (TourError, KeyboardInterrupt)):
+    if isinstance(e, KeyboardInterrupt):
+        raise (e if isinstance(e, Interrupted) else Interrupted(run_dir)) from None
+    if isinstance(e, TourError):
         raise e
     raise TourError(f"upstream {what} failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} "
                     f"(run dir {run_dir})") from e
@@ -232,6 +244,7 @@ def run_upstream(
     capture_steps: str = "",
     fault: str | None = None,
     logprobs: int | None = None,
+    latest: bool = False,
 ) -> Path:
     """Run `scenario` on the installed upstream vLLM; return the run directory.
 
@@ -242,6 +255,8 @@ def run_upstream(
     the scenario runs in float32; see default_logprobs). Everything that can be
     checked is checked before the engine starts: pin, model, capture names,
     every probe target, the prompts against the model, where the run dir goes.
+    Without `run_dir`, a new one under traces/runs is created once those checks pass. `latest` (the
+    user's commands) makes this run traces/runs/latest as it starts.
     """
     from .models import TINY_MODELS, model_digest, resolve_model, tiny_model_dir, weights_kind, weights_note
     from .pins import active_pin_tag
@@ -259,8 +274,8 @@ def run_upstream(
         check_dir(cache_dir() / "models", "model cache (VLLM_TOUR_CACHE)")  # generated there on first use
     model_path = resolve_model(scenario.model, scenario.engine.load_format)
     scenario.check_model(model_path)
-    run_dir = Path(run_dir) if run_dir else new_run_dir(scenario.name)
-    check_dir(run_dir, "run directory")
+    run_dir = Path(run_dir) if run_dir else None  # None: a new dir, created below once the checks pass
+    check_dir(run_dir or RUNS_DIR, "run directory")
     backend = attention_backend(scenario, tag)
     kwargs = engine_kwargs(scenario, model_path, tag)  # a bad engine.extra fails here, before vLLM is imported
     if probes:
@@ -268,6 +283,8 @@ def run_upstream(
     if scenario.engine.cpu_attention_isa:
         cpu_isa.check(scenario.engine.cpu_attention_isa, scenario.engine.dtype, backend)
 
+    if run_dir is None:
+        run_dir = new_run_dir(scenario.name)
     run_dir.mkdir(parents=True, exist_ok=True)
     for stale in ("outputs.json", "meta.json"):
         (run_dir / stale).unlink(missing_ok=True)
@@ -308,6 +325,8 @@ def run_upstream(
     with _env(env):
         meta.env = env_allow_list()
         write_json_atomic(run_dir / "meta.json", meta.model_dump(mode="json"))
+        if latest:
+            mark_latest(RUNS_DIR, run_dir)
         try:
             # vLLM loads its plugins once per process: a process that ran an engine before (tests,
             # in-process runs) needs this run's ISA choice installed here; children get it from the plugin.

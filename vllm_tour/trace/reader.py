@@ -32,6 +32,7 @@ from .schema import (
     SchedulerRecord,
     TPShardsRecord,
 )
+from .writer import LATEST_NAME
 
 _RECORD = TypeAdapter(Record)
 
@@ -78,14 +79,32 @@ def find_run(name: str | Path) -> Path:
     """A run directory from a path, a name under traces/runs or traces/golden, or "latest"."""
     p = Path(name)
     if str(name) == "latest":
-        runs = sorted((d for d in RUNS_DIR.glob("*") if (d / "meta.json").exists()), key=lambda d: d.stat().st_mtime)
-        if not runs:
-            raise TourError(f"no runs in {RUNS_DIR} yet: record one with `vllm-tour trace --request hello`")
-        return runs[-1]
+        return _latest()
     for cand in (p, RUNS_DIR / p, GOLDEN_DIR / p):
         if cand.is_dir():
             return cand
     raise TourError(f"no run directory {name} (looked in ., {RUNS_DIR}, {GOLDEN_DIR})")
+
+
+def _latest() -> Path:
+    """The run the last trace started (traces/runs/latest, written as it starts; --out runs included).
+    Without that pointer (runs from before it, or its run deleted): the run whose meta.json says it
+    started last -- never the most recently modified folder, which an export into an old run changes."""
+    try:
+        pointed = Path((RUNS_DIR / LATEST_NAME).read_text(encoding="utf-8").strip())
+    except (OSError, UnicodeDecodeError):
+        pointed = None
+    if pointed and (pointed / "meta.json").is_file():
+        return pointed
+    started = []
+    for d in RUNS_DIR.glob("*"):
+        try:
+            started.append((float(json.loads((d / "meta.json").read_text(encoding="utf-8")).get("started") or 0), str(d), d))
+        except (OSError, ValueError, AttributeError):
+            continue
+    if not started:
+        raise TourError(f"no runs in {RUNS_DIR} yet: record one with `vllm-tour trace --request hello`")
+    return max(started)[2]
 
 
 def _read_json(path: Path, what: str):
@@ -180,6 +199,8 @@ def load_run(path: str | Path) -> Run:
         warnings.append("the run did not finish (killed or still running): showing the steps it flushed")
     elif meta.status == "failed":
         warnings.append(f"the run failed: {meta.error}")
+    elif meta.status == "interrupted":
+        warnings.append("the run was interrupted (Ctrl-C): showing the steps it flushed")
 
     steps: dict[int, Step] = {}
     errors: list[ProbeErrorRecord] = []
