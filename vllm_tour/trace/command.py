@@ -33,9 +33,7 @@ def build_scenario(
     text prompts in the model's chat template (chat.apply_chat)."""
     prompts = list(prompts)
     if requests_file is not None:
-        if not requests_file.is_file():
-            raise TourError(f"requests file {requests_file} does not exist")
-        prompts += [line for line in requests_file.read_text(encoding="utf-8").splitlines() if line.strip()]
+        prompts += _read_requests_file(requests_file)
         if not prompts:
             raise TourError(f"requests file {requests_file} has no prompts (one per line)")
     if scenario_file is None and not prompts:
@@ -66,6 +64,23 @@ def build_scenario(
 
         sc = apply_chat(sc)
     return sc
+
+
+def _read_requests_file(path: Path) -> list[str]:
+    """The non-blank lines of a UTF-8 text file; anything else is one TourError line saying what is wrong."""
+    if path.is_dir():
+        raise TourError(f"requests file {path} is a directory (give a text file with one prompt per line)")
+    if not path.exists():
+        raise TourError(f"requests file {path} does not exist")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        line = path.read_bytes()[: e.start].count(b"\n") + 1
+        raise TourError(f"requests file {path} is not UTF-8 text (byte 0x{e.object[e.start]:02x} on line {line}): "
+                        "save it as UTF-8, one prompt per line") from None
+    except OSError as e:
+        raise TourError(f"cannot read requests file {path}: {e.strerror or e}") from None
+    return [line for line in text.splitlines() if line.strip()]
 
 
 def _slug(text: str) -> str:
