@@ -132,11 +132,17 @@ def read_records(path: Path, warnings: list[str]) -> list:
             if i == len(lines):  # the writer was killed mid-line
                 warnings.append(f"{path.name}: skipped a truncated last line ({i})")
                 break
-            raise TourError(f"{path}:{i}: not a trace record ({e.errors()[0]['msg']})") from None
+            # A garbled line in the middle (a disk or copy error) loses that record, not the run.
+            warnings.append(f"{path}:{i}: skipped a line that is not a trace record ({e.errors()[0]['msg']})")
+            tables.lost_lines = True
+            continue
         try:
             tables.expand(rec)
         except ValueError as e:
             raise TourError(f"{path}:{i}: {e}") from None
+        if tables.rebased:
+            warnings.append(f"{path}:{i}: {tables.rebased}")
+            tables.rebased = ""
         records.append(rec)
     return records
 
@@ -147,6 +153,9 @@ class _Tables:
     def __init__(self) -> None:
         self.kv: dict[int, tuple[int, dict[str, list[int]]]] = {}  # rank -> (step, tables)
         self.attn: dict[int, tuple[int, list[list[int]]]] = {}  # rank -> (step, rows)
+        self.lost_lines = False  # a line of this file was skipped: a later delta may miss its base
+        self.rebased = ""  # a warning for read_records: block tables rebuilt on an older base
+        self._warned: set = set()
 
     def expand(self, rec) -> None:
         if isinstance(rec, KVRecord):
@@ -168,9 +177,16 @@ class _Tables:
                 rec.block_table, rec.block_table_since, rec.block_table_rows = rows, None, None
             self.attn[rec.proc.rank] = (rec.step, rec.block_table)
 
-    @staticmethod
-    def _base(seen: dict, rec, since: int):
+    def _base(self, seen: dict, rec, since: int):
         step, value = seen.get(rec.proc.rank, (None, None))
+        if step != since and self.lost_lines and step is not None:
+            # Its base was the skipped line: rebuild on the last table this file had. A request whose
+            # table changed only in the lost step keeps its older table: say so, once per kind and rank.
+            if (rec.kind, rec.proc.rank) not in self._warned:
+                self._warned.add((rec.kind, rec.proc.rank))
+                self.rebased = (f"{rec.kind} block tables of rank {rec.proc.rank} from step {rec.step} on are rebuilt "
+                                f"without the skipped line (a delta against step {since}; they may miss that step's changes)")
+            return value
         if step != since:
             raise ValueError(f"{rec.kind} record of step {rec.step} is a delta against step {since}, "
                              f"but the previous {rec.kind} record of rank {rec.proc.rank} in this file is "
