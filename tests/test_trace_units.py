@@ -9,7 +9,7 @@ from vllm_tour.errors import TourError
 from vllm_tour.paths import GOLDEN_DIR
 from vllm_tour.trace.reader import load_run
 from vllm_tour.upstream_run import env_allow_list
-from vllm_tour.trace.writer import parse_steps, user_req_id
+from vllm_tour.trace.writer import allocate_run_dir, parse_steps, user_req_id
 
 
 def test_env_allow_list_keeps_engine_knobs_and_drops_secrets(monkeypatch):
@@ -98,3 +98,16 @@ def test_summarized_int_lists_digest_the_same_values_on_both_sides():
         assert s.sha256 == int_digest(values[:1000]) != int_digest(values[:999])
     small = IntList.model_validate(int_list(np.asarray(values[:FULL_LIMIT], dtype=np.int32)))
     assert small.full == values[:FULL_LIMIT] and small.sha256 is None
+
+
+def test_run_dirs_allocated_in_the_same_second_for_the_same_prompt_are_distinct(tmp_path):
+    """The name is <stamp>-<prompt's words>: runs started together collide on it. Each gets its own new, empty
+    directory (os.mkdir either creates it or fails: the loser takes the next suffix), never another's."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    name = "20261201-214500-same-prompt"
+    (tmp_path / name).mkdir()  # a run from earlier in that second
+    with ThreadPoolExecutor(8) as pool:
+        dirs = list(pool.map(lambda _: allocate_run_dir(tmp_path, name), range(16)))
+    assert len(set(dirs)) == 16 and all(d.is_dir() and not any(d.iterdir()) for d in dirs)
+    assert sorted(d.name for d in dirs) == sorted(f"{name}-{n}" for n in range(2, 18))
