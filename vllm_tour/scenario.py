@@ -261,10 +261,11 @@ class Scenario(BaseModel):
                 raise TourError(f"request {r.req_id}: the prompt is {len(ids)} tokens; engine.max_model_len "
                                 f"{self.engine.max_model_len} allows at most {longest} (one position stays for the "
                                 "first generated token)")
-            # Upstream would silently clamp max_tokens to the room left (max_model_len - prompt): refuse instead,
-            # so a run never generates fewer tokens than asked without saying so.
+            # Upstream would silently clamp max_tokens to the room left (max_model_len - prompt): a max_tokens the
+            # user gave is refused instead, so a run never generates fewer tokens than asked without saying so.
+            # The default (16) is no request: a prompt that leaves less room generates what fits, as upstream does.
             room = self.engine.max_model_len - len(ids)
-            if r.max_tokens > room:
+            if r.max_tokens > room and "max_tokens" in r.model_fields_set:
                 raise TourError(f"request {r.req_id}: max_tokens {r.max_tokens} does not fit: the prompt is {len(ids)} "
                                 f"tokens and engine.max_model_len {self.engine.max_model_len} leaves room for at most "
                                 f"{room} generated tokens (lower --max-tokens or raise --max-model-len)")
