@@ -293,7 +293,7 @@ def probes(
 
 @app.command()
 def show(
-    run: str = typer.Argument("latest", help="A run directory, a name under traces/runs or traces/golden, or 'latest'."),
+    run: str = typer.Argument("latest", help="A run directory, a name under traces/runs or traces/golden, or 'latest' (the last trace started)."),
     step: Optional[int] = typer.Option(None, "--step", "-n", help="Show one step in full: batch, block grid, runner inputs, attention metadata."),
     request: Optional[str] = typer.Option(None, "--request", "-r", help="Follow one request: its steps and block table over time."),
 ):
@@ -313,7 +313,7 @@ def show(
 
 @app.command()
 def export(
-    run: str = typer.Argument("latest", help="A run directory, a name under traces/runs or traces/golden, or 'latest'."),
+    run: str = typer.Argument("latest", help="A run directory, a name under traces/runs or traces/golden, or 'latest' (the last trace started)."),
     format: str = typer.Option("perfetto", "--format", "-f", help="perfetto: Chrome trace JSON for ui.perfetto.dev."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output file (default: <run>/trace.perfetto.json; for golden traces traces/runs/golden-<name>.perfetto.json)."),
 ):
