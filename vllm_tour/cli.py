@@ -382,7 +382,7 @@ def repro(
     reproduced, 2 could not run; with --all: 0 when every verdict is as declared, else 1.
     """
     from .repro import render, run_repro
-    from .trace.command import quiet_vllm
+    from .trace.command import quiet_vllm, says_where_when_interrupted
 
     quiet_vllm(verbose)
     if all_:
@@ -395,7 +395,8 @@ def repro(
         raise TourError("give a scenario TOML, or --all for the library")
     if console.is_terminal:  # a status line, as trace's progress bar: piped output stays the result (or one error line)
         console.print(f"[dim]repro {escape(str(scenario))}: running upstream with probes…[/]")
-    res = run_repro(scenario, out, force)
+    with says_where_when_interrupted():
+        res = run_repro(scenario, out, force)
     render(res, console, scenario)
     raise typer.Exit(0 if res.reproduced else 1)
 

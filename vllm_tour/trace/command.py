@@ -6,6 +6,7 @@ import functools
 import os
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from rich.console import Console
@@ -98,7 +99,7 @@ def check_out(out: Path | None, force: bool) -> None:
 def trace(scenario: Scenario, out: Path | None, capture: list[str], capture_steps: str, multiprocess: bool, console: Console,
           logprobs: int | None = None, force: bool = False) -> Path:
     from .reader import load_run
-    from ..upstream_run import Interrupted, run_upstream
+    from ..upstream_run import run_upstream
 
     check_out(out, force)
 
@@ -111,18 +112,28 @@ def trace(scenario: Scenario, out: Path | None, capture: list[str], capture_step
         def progress(step: int, done: int, total: int) -> None:
             bar.update(task, completed=done, description=f"step {step}")
 
-        try:
+        with says_where_when_interrupted():
             run_dir = run_upstream(scenario, out, capture, progress, multiprocess=multiprocess, capture_steps=capture_steps,
                                    logprobs=logprobs, latest=True)
-        except Interrupted as e:
-            # Ctrl-C: no traceback; say where the partial run is (its meta says "interrupted"; it stays readable).
-            # SystemExit, not KeyboardInterrupt: Typer turns the latter into a bare exit 130 before we could speak.
-            where = _display(e.run_dir)
-            print(f"interrupted: the partial run is in {where} (vllm-tour show {where})", file=sys.stderr)
-            raise SystemExit(130) from None
     run = load_run(run_dir)
     summarize(run, time.time() - started, console)
     return run_dir
+
+
+@contextmanager
+def says_where_when_interrupted():
+    """Ctrl-C in a run (upstream_run.Interrupted): no traceback, one line saying where the partial run is (its
+    meta says "interrupted"; it stays readable), exit 130. SystemExit, not KeyboardInterrupt: Typer turns the
+    latter into a bare exit 130 before we could speak."""
+    try:
+        yield
+    except KeyboardInterrupt as e:
+        run_dir = getattr(e, "run_dir", None)
+        if run_dir is None:  # before a run dir existed: nothing to point at
+            raise
+        where = _display(run_dir)
+        print(f"interrupted: the partial run is in {where} (vllm-tour show {where})", file=sys.stderr)
+        raise SystemExit(130) from None
 
 
 def summarize(run, elapsed: float, console: Console) -> None:
