@@ -81,6 +81,37 @@ def test_bad_trace_flags_fail_before_the_engine(tmp_path, flags, message):
     assert not out.exists()
 
 
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (("-r", "hi", "--max-model-len", "0"), "max_model_len must be at least 2 (one prompt token and one generated), got 0"),
+        (("-r", "hi", "--max-num-seqs", "0"), "max_num_seqs must be at least 1, got 0"),
+        # upstream would clamp it to the room left (1024 - 2 prompt tokens) and say nothing
+        (("-r", "hi", "--max-tokens", "100000000"), "request r0: max_tokens 100000000 does not fit: the prompt is 2 tokens "
+                                                    "and engine.max_model_len 1024 leaves room for at most 1022"),
+        (("-r", "hi", "--max-model-len", "64", "--max-tokens", "63"), "leaves room for at most 62 generated tokens"),
+    ],
+    ids=["max_model_len_0", "max_num_seqs_0", "max_tokens_huge", "max_tokens_one_past"],
+)
+def test_numbers_out_of_range_fail_before_the_engine(tmp_path, flags, message):
+    out = tmp_path / "run"
+    assert_one_line_exit_2(vllm_tour("trace", *flags, "--out", out), message)
+    assert not out.exists()
+
+
+def test_a_requests_file_that_is_not_a_utf8_text_file(tmp_path):
+    latin1 = tmp_path / "prompts.txt"
+    latin1.write_bytes("hello\ncafé au lait\n".encode("latin-1"))
+    out = tmp_path / "run"
+    assert_one_line_exit_2(vllm_tour("trace", "--requests-file", latin1, "--out", out),
+                           f"requests file {latin1} is not UTF-8 text (byte 0xe9 on line 2)")
+    assert_one_line_exit_2(vllm_tour("trace", "--requests-file", tmp_path, "--out", out),
+                           f"requests file {tmp_path} is a directory")
+    assert_one_line_exit_2(vllm_tour("trace", "--requests-file", tmp_path / "nope.txt", "--out", out),
+                           f"requests file {tmp_path / 'nope.txt'} does not exist")
+    assert not out.exists()
+
+
 def test_trace_out_that_cannot_be_written(tmp_path, a_file):
     assert_one_line_exit_2(vllm_tour("trace", "-r", "hi", "--out", a_file / "run"), f"{a_file} is not a directory")
     assert_one_line_exit_2(vllm_tour("trace", "-r", "hi", "--out", a_file), f"{a_file} is not a directory")

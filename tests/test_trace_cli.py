@@ -1,10 +1,14 @@
 """The user's view: `vllm-tour show/export/trace` output, exit codes and one-line errors."""
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from vllm_tour.paths import GOLDEN_DIR
+from vllm_tour.paths import GOLDEN_DIR, REPO_ROOT
 from vllm_tour.views.perfetto import to_chrome_trace
 from vllm_tour.trace.reader import load_run
 
@@ -203,3 +207,38 @@ def test_show_and_site_list_the_same_events(cli):
     _, page = trace_page(run, run.meta.pin, lambda nid: f"#{nid}")
     row = page.split(f'<tr id="step-{step.index}">')[1].split("</tr>")[0]
     assert all(f"ev-{c}" in row for _, c in events) and "resume " in row
+
+
+def test_traces_at_once_get_their_own_run_dirs_and_latest_is_the_last_started(tmp_path, cli):
+    """Two traces of the same prompt started together write two run dirs (one records file and one request
+    each, never merged); "latest" is the last run started -- an --out run too -- and an export into an
+    older run (which writes into its folder) does not make it latest."""
+    runs = tmp_path / "runs"
+    env = {"VLLM_TOUR_RUNS": str(runs)}
+    older = tmp_path / "older"
+    r = cli("trace", "-r", "same prompt", "--max-tokens", "2", "--out", older, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (runs / "latest").read_text().strip() == str(older.resolve())
+
+    cmd = [sys.executable, "-m", "vllm_tour", "trace", "-r", "same prompt", "--max-tokens", "3", "--ignore-eos"]
+    procs = [subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "COLUMNS": "300", "NO_COLOR": "1", **env}) for _ in range(2)]
+    results = [(p, *p.communicate(timeout=300)) for p in procs]
+    assert all(p.returncode == 0 for p, _, _ in results), [e[-2000:] for _, _, e in results]
+    dirs = sorted(d for d in runs.iterdir() if d.is_dir())
+    assert len(dirs) == 2 and all("-same-prompt" in d.name for d in dirs), dirs
+    printed = sorted(next(line.split("run dir: ")[1] for line in out.splitlines() if "run dir: " in line)
+                     for _, out, _ in results)
+    assert printed == [str(d) for d in dirs]  # each command names its own run
+    for d in dirs:
+        run = load_run(d)
+        assert len(list(d.glob("records.*.jsonl"))) == 1 and len(run.meta.requests) == 1
+        assert run.meta.status == "ok" and [len(o.token_ids) for o in run.outputs.requests] == [3]
+        assert {s.scheduler.scheduled[0].req_id for s in run.steps} == {"r0"} and len(run.steps) == 3
+    latest = Path((runs / "latest").read_text().strip())
+    assert latest in dirs
+
+    r = cli("export", older, env=env)
+    assert r.returncode == 0 and (older / "trace.perfetto.json").is_file(), r.stderr
+    r = cli("export", "latest", env=env)
+    assert r.returncode == 0 and f"wrote {latest / 'trace.perfetto.json'} (3 steps)" in r.stdout, r.stdout + r.stderr

@@ -62,6 +62,26 @@ def test_a_delta_without_its_base_is_one_clear_error(trace_runs, tmp_path):
         load_run(run)
 
 
+def test_a_garbled_base_of_a_delta_is_skipped_and_later_tables_say_they_were_rebuilt(trace_runs, tmp_path):
+    """A garbled KV record (not a removed one: that stays the error above) is skipped with a warning naming
+    file:line; the deltas after it are rebuilt on the last table read, and a warning says they may miss its step."""
+    run = tmp_path / "run"
+    whole = trace_runs.get("concurrent8")
+    shutil.copytree(whole, run)
+    f = max(run.glob("records.*.jsonl"), key=lambda p: p.stat().st_size)
+    lines = f.read_text().splitlines(keepends=True)
+    kv = [i for i, line in enumerate(lines) if json.loads(line)["kind"] == "kv"]
+    lost = json.loads(lines[kv[1]])["step"]
+    lines[kv[1]] = lines[kv[1]][:30] + "\n"
+    f.write_text("".join(lines))
+    loaded, intact = load_run(run), load_run(whole)
+    assert f"{f}:{kv[1] + 1}: skipped a line that is not a trace record" in "\n".join(loaded.warnings)
+    assert any(w.startswith(f"{f}:{kv[2] + 1}: kv block tables of rank 0 from step {lost + 1} on are rebuilt")
+               for w in loaded.warnings), loaded.warnings
+    assert loaded.step(lost).kv is None and loaded.step(lost + 1).kv is not None
+    assert [s.kv for s in loaded.steps if s.index < lost] == [s.kv for s in intact.steps if s.index < lost]
+
+
 def test_tp_probes_are_left_out_of_a_tp1_run_only():
     names = {None: {p.name for p in inst.probes_for("v0.32.0")},
              1: {p.name for p in inst.probes_for("v0.32.0", tp_size=1)},

@@ -142,6 +142,36 @@ def test_sigkill_mid_run_leaves_a_trace_show_reads(tmp_path):
     assert "did not finish" in shown.stdout and "r0:D" in shown.stdout
 
 
+def test_ctrl_c_mid_run_says_where_the_partial_run_is_and_labels_it_interrupted(tmp_path):
+    """SIGINT to the command's process group, as a terminal's Ctrl-C sends it, once steps are being written."""
+    out = tmp_path / "interrupted"
+    cmd = [sys.executable, "-m", "vllm_tour.cli", "trace", "-r", "hello", "--max-tokens", "900", "--ignore-eos", "--out", str(out)]
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, env={**os.environ, "VLLM_TOUR_RUNS": str(tmp_path / "runs")})
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline:
+            files = list(out.glob("records.*.jsonl"))
+            if files and files[0].read_text().count("\n") > 40:
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail("the traced run never got going")
+        os.killpg(proc.pid, signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130, stderr[-3000:]
+    assert f"interrupted: the partial run is in {out} (vllm-tour show {out})" in stderr.splitlines()
+    assert "Traceback" not in stderr
+    run = load_run(out)
+    assert run.meta.status == "interrupted" and "KeyboardInterrupt" not in (run.meta.error or "")
+    assert run.outputs is None and len(run.steps) >= 10
+    assert "the run was interrupted (Ctrl-C): showing the steps it flushed" in run.warnings
+
+
 def test_arrival_steps_are_honoured_in_process(trace_runs):
     run = load_run(trace_runs.get("arrivals"))
     first = {}

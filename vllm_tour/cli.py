@@ -334,7 +334,7 @@ def probes(
 
 @app.command()
 def show(
-    run: str = typer.Argument("latest", help="A run directory, a name under traces/runs or traces/golden, or 'latest'."),
+    run: str = typer.Argument("latest", help="A run directory, a name under traces/runs or traces/golden, or 'latest' (the last trace started)."),
     step: Optional[int] = typer.Option(None, "--step", "-n", help="Show one step in full: batch, block grid, runner inputs, attention metadata."),
     request: Optional[str] = typer.Option(None, "--request", "-r", help="Follow one request: its steps and block table over time."),
 ):
@@ -354,7 +354,7 @@ def show(
 
 @app.command()
 def export(
-    run: str = typer.Argument("latest", help="A run directory, a name under traces/runs or traces/golden, or 'latest'."),
+    run: str = typer.Argument("latest", help="A run directory, a name under traces/runs or traces/golden, or 'latest' (the last trace started)."),
     format: str = typer.Option("perfetto", "--format", "-f", help="perfetto: Chrome trace JSON for ui.perfetto.dev."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output file (default: <run>/trace.perfetto.json; for golden traces traces/runs/golden-<name>.perfetto.json)."),
 ):
@@ -423,7 +423,7 @@ def repro(
     Scheduler alone with fabricated model outputs; [engine.extra] passes raw EngineArgs. Exit 0 reproduced, 1 not
     reproduced, 2 could not run; with --all: 0 when every verdict is as declared, else 1.
     """
-    from vllm_tour.engine.trace_command import quiet_vllm
+    from vllm_tour.engine.trace_command import quiet_vllm, says_where_when_interrupted
     from vllm_tour.repro.reproduce import render, run_repro
 
     quiet_vllm(verbose)
@@ -437,7 +437,8 @@ def repro(
         raise TourError("give a scenario TOML, or --all for the library")
     if console.is_terminal:  # a status line, as trace's progress bar: piped output stays the result (or one error line)
         console.print(f"[dim]repro {escape(str(scenario))}: running upstream with probes…[/]")
-    res = run_repro(scenario, out, force, level=level)
+    with says_where_when_interrupted():
+        res = run_repro(scenario, out, force, level=level)
     render(res, console, scenario)
     raise typer.Exit(0 if res.reproduced else 1)
 

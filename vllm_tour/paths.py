@@ -15,7 +15,9 @@ ANNOTATIONS_DIR = REPO_ROOT / "annotations"
 TRACES_DIR = REPO_ROOT / "traces"
 SCENARIOS_DIR = TRACES_DIR / "scenarios"
 GOLDEN_DIR = TRACES_DIR / "golden"
-RUNS_DIR = TRACES_DIR / "runs"
+# Where trace, repro and compare runs go (and the "latest" pointer): VLLM_TOUR_RUNS moves them out of the
+# checkout, e.g. for tests that must not change a user's runs or which run is "latest".
+RUNS_DIR = Path(os.environ.get("VLLM_TOUR_RUNS") or TRACES_DIR / "runs")
 DATA_DIR = Path(__file__).resolve().parent / "data"
 
 

@@ -41,7 +41,7 @@ class EngineSpec(BaseModel):
 
     block_size: int = 32  # CPU attention needs a multiple of 32
     num_blocks: int | None = None  # usable KV blocks (upstream adds one null block)
-    kv_cache_memory_bytes: int | None = None  # when num_blocks is unset: upstream_run.default_kv_bytes (64 MiB, or more for a larger model)
+    kv_cache_memory_bytes: int | None = None  # when num_blocks is unset: engine.run.default_kv_bytes (64 MiB, or more for a larger model)
     max_num_batched_tokens: int | None = None  # token budget per step (small: chunked prefill)
     max_num_seqs: int | None = None
     enable_prefix_caching: bool = True
@@ -69,6 +69,11 @@ class EngineSpec(BaseModel):
             raise ValueError(f"block_size must be a positive multiple of 32 on CPU, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError("num_blocks must be at least 1")
+        if self.max_model_len < 2:  # a prompt needs one position and the first generated token another
+            raise ValueError(f"max_model_len must be at least 2 (one prompt token and one generated), got {self.max_model_len}")
+        for name in ("max_num_batched_tokens", "max_num_seqs", "kv_cache_memory_bytes"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.num_blocks is not None:
             # Upstream refuses to start unless one max-length sequence fits the pool.
             capacity = self.num_blocks * self.block_size
@@ -256,6 +261,14 @@ class Scenario(BaseModel):
                 raise TourError(f"request {r.req_id}: the prompt is {len(ids)} tokens; engine.max_model_len "
                                 f"{self.engine.max_model_len} allows at most {longest} (one position stays for the "
                                 "first generated token)")
+            # Upstream would silently clamp max_tokens to the room left (max_model_len - prompt): a max_tokens the
+            # user gave is refused instead, so a run never generates fewer tokens than asked without saying so.
+            # The default (16) is no request: a prompt that leaves less room generates what fits, as upstream does.
+            room = self.engine.max_model_len - len(ids)
+            if r.max_tokens > room and "max_tokens" in r.model_fields_set:
+                raise TourError(f"request {r.req_id}: max_tokens {r.max_tokens} does not fit: the prompt is {len(ids)} "
+                                f"tokens and engine.max_model_len {self.engine.max_model_len} leaves room for at most "
+                                f"{room} generated tokens (lower --max-tokens or raise --max-model-len)")
 
 
 def _check_request(r: RequestSpec) -> None:

@@ -94,7 +94,7 @@ def compare(module: str, scenario_path: Path | str, *, fresh: bool = False, upst
     dtype = run_dtype(up)
     if dtype != "float32" and not up.top:
         raise TourError(f"upstream run {run_dir} ran in {dtype} but recorded no top-k logprobs, which the {dtype} "
-                        f"token rule needs: rerun it with logprobs (upstream_run.run_upstream(..., logprobs={TOP_K}))")
+                        f"token rule needs: rerun it with logprobs (engine.run.run_upstream(..., logprobs={TOP_K}))")
     tol = tolerance.tolerance_for(backend, up.meta.get("env"), dtype)
     if atol is not None or rtol is not None:
         tol = tolerance.Tolerance(tol.atol if atol is None else atol, tol.rtol if rtol is None else rtol, "given",

@@ -36,7 +36,16 @@ from vllm_tour.trace.levels import LEVEL_ENV, check_level
 from vllm_tour.trace.levels import has as has_level
 from vllm_tour.trace.logprobs import default_logprobs
 from vllm_tour.trace.schema import Outputs, RequestOutput, RunMeta
-from vllm_tour.trace.writer import CAPTURE_ENV, CAPTURE_STEPS_ENV, RECORDER, RUN_DIR_ENV, parse_steps, write_json_atomic
+from vllm_tour.trace.writer import (
+    CAPTURE_ENV,
+    CAPTURE_STEPS_ENV,
+    RECORDER,
+    RUN_DIR_ENV,
+    allocate_run_dir,
+    mark_latest,
+    parse_steps,
+    write_json_atomic,
+)
 from vllm_tour.upstream.models import ModelFacts
 
 Progress = Callable[[int, int, int], None]  # (engine steps done, requests finished, requests total)
@@ -69,14 +78,10 @@ def platform_info() -> dict[str, str]:
 
 
 def new_run_dir(slug: str) -> Path:
+    """Create a new run directory traces/runs/<stamp>-<slug>[-N]: unique even for runs started in the
+    same second with the same prompt (created atomically; see allocate_run_dir)."""
     slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", slug).strip("-")[:40] or "run"
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    path = RUNS_DIR / f"{stamp}-{slug}"
-    n = 1
-    while path.exists():
-        n += 1
-        path = RUNS_DIR / f"{stamp}-{slug}-{n}"
-    return path
+    return allocate_run_dir(RUNS_DIR, f"{time.strftime('%Y%m%d-%H%M%S')}-{slug}")
 
 
 @dataclass(frozen=True)
@@ -240,11 +245,26 @@ def _check_capture_steps(spec: str) -> None:
         raise TourError(f"--capture-steps {spec!r}: give step numbers and ranges, e.g. 1-3,7")
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during a run: still a KeyboardInterrupt (exit 130), carrying where the partial run is."""
+
+    def __init__(self, run_dir: Path):
+        super().__init__(str(run_dir))
+        self.run_dir = run_dir
+
+
 def fail_run(meta, run_dir: Path, e: BaseException, what: str) -> NoReturn:
-    """Record the failure in the run's meta.json (what was traced up to it stays), then raise it as a TourError."""
-    meta.status, meta.error, meta.finished = "failed", f"{type(e).__name__}: {e}"[:2000], time.time()
+    """Record the failure in the run's meta.json (what was traced up to it stays), then raise it as a TourError.
+    Ctrl-C is no failure: the run is labelled "interrupted" and an `Interrupted` naming its dir is raised."""
+    if isinstance(e, KeyboardInterrupt):
+        meta.status, meta.error = "interrupted", "interrupted by the user (Ctrl-C)"
+    else:
+        meta.status, meta.error = "failed", f"{type(e).__name__}: {e}"[:2000]
+    meta.finished = time.time()
     write_json_atomic(run_dir / "meta.json", meta.model_dump(mode="json"))
-    if isinstance(e, (TourError, KeyboardInterrupt)):
+    if isinstance(e, KeyboardInterrupt):
+        raise (e if isinstance(e, Interrupted) else Interrupted(run_dir)) from None
+    if isinstance(e, TourError):
         raise e
     raise TourError(f"upstream {what} failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} "
                     f"(run dir {run_dir})") from e
@@ -262,6 +282,7 @@ def run_upstream(
     fault: str | None = None,
     logprobs: int | None = None,
     level: str = "full",
+    latest: bool = False,
 ) -> Path:
     """Run `scenario` on the installed upstream vLLM; return the run directory.
 
@@ -273,6 +294,8 @@ def run_upstream(
     probes record: the runner and attention probes need full, as captures do. Everything that can be
     checked is checked before the engine starts: pin, model, capture names,
     every probe target, the prompts against the model, where the run dir goes.
+    Without `run_dir`, a new one under traces/runs is created once those checks pass. `latest` (the
+    user's commands) makes this run traces/runs/latest as it starts.
     """
     from vllm_tour.probes import cpu_isa
     from vllm_tour.probes.install import check_probes, install_all
@@ -288,13 +311,15 @@ def run_upstream(
         raise TourError(f"logprobs must be >= 0, got {logprobs}")
     plan = plan_run(scenario)
     tag, backend, kwargs = plan.pin, plan.backend, plan.engine_args
-    run_dir = Path(run_dir) if run_dir else new_run_dir(scenario.name)
-    check_dir(run_dir, "run directory")
+    run_dir = Path(run_dir) if run_dir else None  # None: a new dir, created below once the checks pass
+    check_dir(run_dir or RUNS_DIR, "run directory")
     if probes:
         check_probes(tag, backend=backend, level=level)  # a missing target fails here, before any engine starts
     if scenario.engine.cpu_attention_isa:
         cpu_isa.check(scenario.engine.cpu_attention_isa, scenario.engine.dtype, backend)
 
+    if run_dir is None:
+        run_dir = new_run_dir(scenario.name)
     run_dir.mkdir(parents=True, exist_ok=True)
     for stale in ("outputs.json", "meta.json"):
         (run_dir / stale).unlink(missing_ok=True)
@@ -335,6 +360,8 @@ def run_upstream(
     with _env(env):
         meta.env = env_allow_list()
         write_json_atomic(run_dir / "meta.json", meta.model_dump(mode="json"))
+        if latest:
+            mark_latest(RUNS_DIR, run_dir)
         try:
             # vLLM loads its plugins once per process: a process that ran an engine before (tests,
             # in-process runs) needs this run's ISA choice installed here; children get it from the plugin.

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from rich.console import Console
@@ -34,9 +36,7 @@ def build_scenario(
     text prompts in the model's chat template (chat.apply_chat)."""
     prompts = list(prompts)
     if requests_file is not None:
-        if not requests_file.is_file():
-            raise TourError(f"requests file {requests_file} does not exist")
-        prompts += [line for line in requests_file.read_text(encoding="utf-8").splitlines() if line.strip()]
+        prompts += _read_requests_file(requests_file)
         if not prompts:
             raise TourError(f"requests file {requests_file} has no prompts (one per line)")
     if scenario_file is None and not prompts:
@@ -69,6 +69,23 @@ def build_scenario(
     return sc
 
 
+def _read_requests_file(path: Path) -> list[str]:
+    """The non-blank lines of a UTF-8 text file; anything else is one TourError line saying what is wrong."""
+    if path.is_dir():
+        raise TourError(f"requests file {path} is a directory (give a text file with one prompt per line)")
+    if not path.exists():
+        raise TourError(f"requests file {path} does not exist")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        line = path.read_bytes()[: e.start].count(b"\n") + 1
+        raise TourError(f"requests file {path} is not UTF-8 text (byte 0x{e.object[e.start]:02x} on line {line}): "
+                        "save it as UTF-8, one prompt per line") from None
+    except OSError as e:
+        raise TourError(f"cannot read requests file {path}: {e.strerror or e}") from None
+    return [line for line in text.splitlines() if line.strip()]
+
+
 def _slug(text: str) -> str:
     words = "".join(c if c.isalnum() else " " for c in text).split()
     return "-".join(words[:4]).lower() or "prompt"
@@ -99,11 +116,28 @@ def trace(scenario: Scenario, out: Path | None, capture: list[str], capture_step
         def progress(step: int, done: int, total: int) -> None:
             bar.update(task, completed=done, description=f"step {step}")
 
-        run_dir = run_upstream(scenario, out, capture, progress, multiprocess=multiprocess, capture_steps=capture_steps,
-                               logprobs=logprobs, level=level)
+        with says_where_when_interrupted():
+            run_dir = run_upstream(scenario, out, capture, progress, multiprocess=multiprocess, capture_steps=capture_steps,
+                                   logprobs=logprobs, level=level, latest=True)
     run = load_run(run_dir)
     summarize(run, time.time() - started, console)
     return run_dir
+
+
+@contextmanager
+def says_where_when_interrupted():
+    """Ctrl-C in a run (engine.run.Interrupted): no traceback, one line saying where the partial run is (its
+    meta says "interrupted"; it stays readable), exit 130. SystemExit, not KeyboardInterrupt: Typer turns the
+    latter into a bare exit 130 before we could speak."""
+    try:
+        yield
+    except KeyboardInterrupt as e:
+        run_dir = getattr(e, "run_dir", None)
+        if run_dir is None:  # before a run dir existed: nothing to point at
+            raise
+        where = _display(run_dir)
+        print(f"interrupted: the partial run is in {where} (vllm-tour show {where})", file=sys.stderr)
+        raise SystemExit(130) from None
 
 
 def summarize(run, elapsed: float, console: Console) -> None:

@@ -143,6 +143,8 @@ def run_repro(path: Path | str, run_dir: Path | None = None, force: bool = False
     from vllm_tour.engine.run import new_run_dir, run_upstream
     from vllm_tour.engine.sched_harness import run_scheduler
     from vllm_tour.engine.trace_command import check_out
+    from vllm_tour.paths import RUNS_DIR
+    from vllm_tour.trace.writer import mark_latest
 
     check_out(run_dir, force)  # and an old meta.json there would read as this run's failure
     sc = load_scenario(path)
@@ -154,6 +156,7 @@ def run_repro(path: Path | str, run_dir: Path | None = None, force: bool = False
         raise TourError(f"--level {level}: {sc.name}'s expectations are judged on records of level {need} "
                         f"({', '.join(k for k in ex.model_dump(exclude_defaults=True) if k in NEEDS_LEVEL) or 'show'}); "
                         f"give --level {need} or leave it out")
+    fresh = not run_dir  # a new dir under traces/runs, created (atomically) here
     run_dir = Path(run_dir) if run_dir else new_run_dir(sc.name)
     handler = _ErrorLines()
     loggers = [logging.getLogger(n) for n in _ERROR_LOGGERS]
@@ -162,11 +165,14 @@ def run_repro(path: Path | str, run_dir: Path | None = None, force: bool = False
     failure = None
     try:
         if sc.mode == "scheduler":
+            mark_latest(RUNS_DIR, run_dir)
             run_scheduler(sc, run_dir, progress)
         else:
-            run_upstream(sc, run_dir, probes=True, progress=progress, level=level)
+            run_upstream(sc, run_dir, probes=True, progress=progress, level=level, latest=True)
     except TourError as e:
         if not _engine_failed(run_dir):
+            if fresh and run_dir.is_dir() and not any(run_dir.iterdir()):
+                run_dir.rmdir()  # nothing half-written: the dir this command created stays empty
             raise  # it never started (pin, model, probes): could not run
         failure = "\n".join(_chain(e.__cause__) or [str(e)])
     finally:

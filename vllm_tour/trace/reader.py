@@ -32,6 +32,7 @@ from vllm_tour.trace.schema import (
     SchedulerRecord,
     TPShardsRecord,
 )
+from vllm_tour.trace.writer import LATEST_NAME
 
 _RECORD = TypeAdapter(Record)
 
@@ -123,14 +124,32 @@ def find_run(name: str | Path) -> Path:
     """A run directory from a path, a name under traces/runs or traces/golden, or "latest"."""
     p = Path(name)
     if str(name) == "latest":
-        runs = sorted((d for d in RUNS_DIR.glob("*") if (d / "meta.json").exists()), key=lambda d: d.stat().st_mtime)
-        if not runs:
-            raise TourError(f"no runs in {RUNS_DIR} yet: record one with `vllm-tour trace --request hello`")
-        return runs[-1]
+        return _latest()
     for cand in (p, RUNS_DIR / p, GOLDEN_DIR / p):
         if cand.is_dir():
             return cand
     raise TourError(f"no run directory {name} (looked in ., {RUNS_DIR}, {GOLDEN_DIR})")
+
+
+def _latest() -> Path:
+    """The run the last trace started (traces/runs/latest, written as it starts; --out runs included).
+    Without that pointer (runs from before it, or its run deleted): the run whose meta.json says it
+    started last -- never the most recently modified folder, which an export into an old run changes."""
+    try:
+        pointed = Path((RUNS_DIR / LATEST_NAME).read_text(encoding="utf-8").strip())
+    except (OSError, UnicodeDecodeError):
+        pointed = None
+    if pointed and (pointed / "meta.json").is_file():
+        return pointed
+    started = []
+    for d in RUNS_DIR.glob("*"):
+        try:
+            started.append((float(json.loads((d / "meta.json").read_text(encoding="utf-8")).get("started") or 0), str(d), d))
+        except (OSError, ValueError, AttributeError):
+            continue
+    if not started:
+        raise TourError(f"no runs in {RUNS_DIR} yet: record one with `vllm-tour trace --request hello`")
+    return max(started)[2]
 
 
 def _read_json(path: Path, what: str):
@@ -158,11 +177,17 @@ def read_records(path: Path, warnings: list[str]) -> list:
             if i == len(lines):  # the writer was killed mid-line
                 warnings.append(f"{path.name}: skipped a truncated last line ({i})")
                 break
-            raise TourError(f"{path}:{i}: not a trace record ({e.errors()[0]['msg']})") from None
+            # A garbled line in the middle (a disk or copy error) loses that record, not the run.
+            warnings.append(f"{path}:{i}: skipped a line that is not a trace record ({e.errors()[0]['msg']})")
+            tables.lost_lines = True
+            continue
         try:
             tables.expand(rec)
         except ValueError as e:
             raise TourError(f"{path}:{i}: {e}") from None
+        if tables.rebased:
+            warnings.append(f"{path}:{i}: {tables.rebased}")
+            tables.rebased = ""
         records.append(rec)
     return records
 
@@ -173,6 +198,9 @@ class _Tables:
     def __init__(self) -> None:
         self.kv: dict[int, tuple[int, dict[str, list[int]]]] = {}  # rank -> (step, tables)
         self.attn: dict[int, tuple[int, list[list[int]]]] = {}  # rank -> (step, rows)
+        self.lost_lines = False  # a line of this file was skipped: a later delta may miss its base
+        self.rebased = ""  # a warning for read_records: block tables rebuilt on an older base
+        self._warned: set = set()
 
     def expand(self, rec) -> None:
         if isinstance(rec, KVRecord):
@@ -194,9 +222,16 @@ class _Tables:
                 rec.block_table, rec.block_table_since, rec.block_table_rows = rows, None, None
             self.attn[rec.proc.rank] = (rec.step, rec.block_table)
 
-    @staticmethod
-    def _base(seen: dict, rec, since: int):
+    def _base(self, seen: dict, rec, since: int):
         step, value = seen.get(rec.proc.rank, (None, None))
+        if step != since and self.lost_lines and step is not None:
+            # Its base was the skipped line: rebuild on the last table this file had. A request whose
+            # table changed only in the lost step keeps its older table: say so, once per kind and rank.
+            if (rec.kind, rec.proc.rank) not in self._warned:
+                self._warned.add((rec.kind, rec.proc.rank))
+                self.rebased = (f"{rec.kind} block tables of rank {rec.proc.rank} from step {rec.step} on are rebuilt "
+                                f"without the skipped line (a delta against step {since}; they may miss that step's changes)")
+            return value
         if step != since:
             raise ValueError(f"{rec.kind} record of step {rec.step} is a delta against step {since}, "
                              f"but the previous {rec.kind} record of rank {rec.proc.rank} in this file is "
@@ -239,6 +274,8 @@ def load_run(path: str | Path) -> Run:
         warnings.append("the run did not finish (killed or still running): showing the steps it flushed")
     elif meta.status == "failed":
         warnings.append(f"the run failed: {meta.error}")
+    elif meta.status == "interrupted":
+        warnings.append("the run was interrupted (Ctrl-C): showing the steps it flushed")
 
     steps: dict[int, Step] = {}
     errors: list[ProbeErrorRecord] = []

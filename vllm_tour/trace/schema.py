@@ -347,7 +347,8 @@ class RunMeta(BaseModel):
     platform: dict[str, str]
     started: float
     finished: float | None = None
-    status: Literal["running", "ok", "failed"] = "running"
+    # "interrupted": stopped by the user (Ctrl-C); what was flushed up to then stays readable
+    status: Literal["running", "ok", "failed", "interrupted"] = "running"
     error: str | None = None
 
 

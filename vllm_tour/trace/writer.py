@@ -223,3 +223,42 @@ def write_json_atomic(path: Path, data: dict) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(data, indent=1, ensure_ascii=False, default=str) + "\n", encoding="utf-8")
     os.replace(tmp, path)
+
+
+# --- which run is "latest" ---------------------------------------------------------------------------
+# A pointer file, traces/runs/latest, holding the path of the last run a user command started. It is
+# written when the run starts (so a failed or interrupted run is latest too), never inferred from folder
+# times: exporting or re-reading an old run writes into its folder and must not make it latest.
+LATEST_NAME = "latest"
+
+
+def mark_latest(runs_dir: Path, run_dir: Path) -> None:
+    """Point `runs_dir/latest` at `run_dir`, atomically: a unique temporary file renamed over it, so two
+    runs starting at once leave one whole pointer (the later rename), never a mix."""
+    import tempfile
+
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=runs_dir, prefix=".latest-", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(str(Path(run_dir).resolve()) + "\n")
+        os.replace(tmp, runs_dir / LATEST_NAME)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def allocate_run_dir(parent: Path, name: str) -> Path:
+    """Create and return a new, empty run directory `parent/name`, or `name-2`, `name-3`, ... when taken.
+
+    os.mkdir either creates the directory or fails because it exists, atomically: two runs started in
+    the same second with the same prompt get two directories, and one never writes into the other's."""
+    parent.mkdir(parents=True, exist_ok=True)
+    n = 1
+    while True:
+        path = parent / (name if n == 1 else f"{name}-{n}")
+        try:
+            os.mkdir(path)
+            return path
+        except FileExistsError:
+            n += 1
