@@ -78,6 +78,9 @@ def test_pin_command_writes_what_doctor_accepts(tmp_path, cli):
     for key in ("tag", "version", "torch", "platform", "source_digest", "source_files", "commit_note"):
         assert written[key] == checked_in[key]
     assert written["distributions"]["cpu"] == checked_in["distributions"]["cpu"]
+    # a new --out file starts from the checked-in pin: nothing of its profile or other platforms is dropped
+    assert written["distributions"]["cuda"] == checked_in["distributions"]["cuda"]
+    assert written["profile"] == checked_in["profile"]
     r = cli("pin", "v0.31.0", "--out", str(tmp_path / "x.toml"))
     assert r.returncode == 2 and "does not match the installed vLLM 0.32.0" in r.stderr
     assert not (tmp_path / "x.toml").exists()

@@ -60,7 +60,9 @@ def run_compare(module: str, scenario: Path | None, all_scenarios: bool, explain
                 raise TourError(f"scenario {sc.name}: the reimpl cannot run it: {why}")
             skipped.append({"scenario": sc.name, "path": str(path), "why": why})
             continue
-        console.print(f"[dim]{module} · {sc.name}: running upstream (cached per scenario) and reimpl…[/]")
+        upstream = ("upstream run " + str(upstream_run) if upstream_run else "running upstream afresh" if fresh
+                    else "running upstream (cached per scenario)")
+        console.print(f"[dim]{module} · {sc.name}: {upstream} and reimpl…[/]")
         try:
             r = harness.compare(module, path, fresh=fresh, explain=explain, atol=atol, rtol=rtol, impl=impl,
                                 upstream_run=upstream_run)

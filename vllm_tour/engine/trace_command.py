@@ -140,6 +140,17 @@ def says_where_when_interrupted():
         raise SystemExit(130) from None
 
 
+def _since_process_start() -> float | None:
+    """Seconds since this process started: what the user waited, imports and model set-up included
+    (Linux /proc; None elsewhere)."""
+    try:
+        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+
+
 def summarize(run, elapsed: float, console: Console) -> None:
     print_ = functools.partial(console.print, highlight=False)
     steps = run.steps
@@ -148,7 +159,9 @@ def summarize(run, elapsed: float, console: Console) -> None:
     gen = sum(len(o.token_ids) for o in run.outputs.requests) if run.outputs else 0
     peak = max((s.kv.usage for s in steps if s.kv), default=0.0)
     batch = max((len(s.scheduler.scheduled) for s in steps if s.scheduler), default=0)
-    print_(f"[bold]traced[/] {len(run.meta.requests)} request(s), {len(steps)} steps, {gen} tokens generated in {elapsed:.1f}s (pin {run.meta.pin}, {run.meta.model})")
+    waited = _since_process_start()
+    took = f"in {waited:.1f}s (the engine run {elapsed:.1f}s of it)" if waited else f"in {elapsed:.1f}s"
+    print_(f"[bold]traced[/] {len(run.meta.requests)} request(s), {len(steps)} steps, {gen} tokens generated {took} (pin {run.meta.pin}, {run.meta.model})")
     kv = f"peak KV usage {peak:.1%} · " if has_level(run.meta.level, "blocks") else ""
     hit = f" · prefix-cache hits {len(hits)}" if has_level(run.meta.level, "blocks") else ""
     print_(f"  level {run.meta.level} · largest batch {batch} · {kv}preemptions {len(preempt)}{hit}")

@@ -57,7 +57,7 @@ def check_lab(directory: Path, console: Console, fresh: bool = False) -> int:
     engine_components(lab.module, lab.impl)  # the file's interface, before any engine starts
     results = []
     for scenario in lab.scenarios:
-        console.print(f"[dim]lab {lab.component} · {scenario.stem}: upstream (cached per scenario) vs "
+        console.print(f"[dim]lab {lab.component} · {scenario.stem}: upstream ({'afresh' if fresh else 'cached per scenario'}) vs "
                       f"{escape(lab.module)} with your {escape(lab.lab.entry)}…[/]")
         result = harness.compare(lab.module, scenario, impl=lab.impl, explain=True, fresh=fresh)
         report.render(result, console, explain=True)

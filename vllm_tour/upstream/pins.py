@@ -329,10 +329,12 @@ def update_pin(tag: str | None, commit: str | None, out: Path | None, write: boo
 
     new = pin_from_installed(tag, commit)
     path = out or _pin_path(new.tag)
-    old = load_pin(new.tag, path) if path.exists() else None
+    # A new --out file starts from the checked-in pin: its profile and other platforms' sections are kept
+    base = path if path.exists() else _pin_path(new.tag)
+    old = load_pin(new.tag, base) if base.exists() else None
     pin = merge_pin(new, old)
     changes = pin_changes(old, pin)
-    if (old is not None and out is None and not write) or not changes:
+    if (old is not None and out is None and not write) or (not changes and path.exists()):
         return pin, changes, path, False
     check_file(path, "pin file")
     write_pin(pin, path)
