@@ -47,6 +47,7 @@ def run_check(console: Console, pin_tags: list[str], as_json: bool, show_diff: b
     if unknown:
         raise TourError(f"--accept: no note {unknown[0]!r}")
     trees = {t: tree_for_pin(t, _status) for t in tags}
+    _status(f"annotations check: {len(notes)} notes against {', '.join(tags)} (anchors, depends, drift)")
     rep = check(trees, notes)
     if accept or accept_all:
         _accept(console, rep, set(known if accept_all else accept))
@@ -145,6 +146,6 @@ def build_site(console: Console, out: Path, pin: str | None) -> Path:
 
     tag = pin or pins.active_pin_tag()
     tree = tree_for_pin(tag, _status)
-    index = write_site(out, tree, on_pin(load_all(), tag), tag)
+    index = write_site(out, tree, on_pin(load_all(), tag), tag, _status)
     console.print(f"site for pin {tag}: {index}")
     return index

@@ -358,7 +358,8 @@ def index_page(subs: list[Subsystem], pin: str, links: _Links) -> str:
     return _page(f"vllm-tour — pin {pin}", head, "".join(parts), "")
 
 
-def write_site(out: Path, tree: SourceTree, subs: list[Subsystem], pin: str) -> Path:
+def write_site(out: Path, tree: SourceTree, subs: list[Subsystem], pin: str, status=lambda msg: None) -> Path:
+    """`status` hears each phase (the command prints it on stderr: a build takes tens of seconds)."""
     out = Path(out)
     if (out / "sym").exists():
         shutil.rmtree(out / "sym")  # pages of symbols no longer annotated must not linger
@@ -366,7 +367,9 @@ def write_site(out: Path, tree: SourceTree, subs: list[Subsystem], pin: str) -> 
     from vllm_tour.notes.verify import proofs_for_pin
     from vllm_tour.site.traces import write_trace_pages
 
+    status(f"site: reading the notes' proofs on pin {pin}")
     links = _Links(subs, proofs_for_pin(pin))
+    status("site: the golden traces' pages")
     back = f'<a class="internal" href="../index.html">{_ui("back")}</a>'
     links.traces = dict(write_trace_pages(out, pin, lambda nid: links.href(nid, ""),
                                           lambda title, body: _page(title, f"{back}<h1>{esc(title)}</h1>", body, "../")))
@@ -374,6 +377,7 @@ def write_site(out: Path, tree: SourceTree, subs: list[Subsystem], pin: str) -> 
     (out / "pygments.css").write_text(HtmlFormatter(style="friendly").get_style_defs(".code"), encoding="utf-8")
     (out / "site.js").write_text(_JS, encoding="utf-8")
     done = set()
+    status(f"site: {sum(len(set(sub.symbols())) for sub in subs)} source pages")
     for sub in subs:
         for q in sub.symbols():
             if q in done:
@@ -381,6 +385,8 @@ def write_site(out: Path, tree: SourceTree, subs: list[Subsystem], pin: str) -> 
             done.add(q)
             (out / "sym" / page_name(q)).write_text(symbol_page(tree, q, sub, pin, links, subs), encoding="utf-8")
     from vllm_tour.site.repros import repros_body
+
+    status("site: the repro library and the index")
 
     (out / "repros.html").write_text(_page("vllm-tour — repros", f'<a class="internal" href="index.html">{_ui("back")}</a>'
                                            f'<h1>{_ui("repros")}</h1>', repros_body(lambda nid: links.href(nid, "")), ""),
