@@ -26,7 +26,7 @@ def library() -> list[Path]:
     return sorted(REPROS_DIR.glob("*.toml")) + sorted(SCENARIOS_DIR.glob("repro_*.toml"))
 
 
-def _evidence(res, width: int = 150) -> str:
+def _evidence(res) -> str:
     """One line: the engine's failure when it failed, else the first unmet expectation's evidence
     (when all hold, the last one's: the claim, checked after the requests' own expectations)."""
     if res.failure:
@@ -34,7 +34,30 @@ def _evidence(res, width: int = 150) -> str:
     else:
         c = next((c for c in res.checks if not c.ok), None) or res.checks[-1]
         line = f"{c.key}: {c.evidence[0] if c.evidence else ''}"
-    return line if len(line) <= width else line[:width - 1] + "…"
+    return line  # whole: the table wraps it
+
+
+def verdict_table(rows: list, all_pins: list[str], here: str, width: int) -> Table:
+    """The library's verdicts: a table of columns where it fits (160 columns and up), else one block per
+    repro, so that no name, verdict or evidence is cut at 80 columns or in a pipe."""
+    table = Table(title=f"repro library on {here}", title_justify="left", show_lines=width < 160,
+                  show_header=width >= 160)
+    if width >= 160:
+        table.add_column("repro", overflow="fold")
+        table.add_column("upstream", overflow="fold")
+        for p in all_pins:
+            table.add_column(p, overflow="fold")
+        table.add_column("evidence", overflow="fold", ratio=1)
+    else:
+        table.add_column("repro", overflow="fold")
+    for sc, cells, evidence in rows:
+        refs = " ".join(x for x in (f"#{sc.issue}" if sc.issue else "", f"PR #{sc.pr}" if sc.pr else "") if x)
+        if width >= 160:
+            table.add_row(escape(sc.name), refs, *[cells.get(p, "-") for p in all_pins], escape(evidence))
+        else:
+            verdicts = "\n".join(f"{p}: {cells.get(p, '-')}" for p in all_pins)
+            table.add_row(f"[bold]{escape(sc.name)}[/] {refs}\n{verdicts}" + (f"\n{escape(evidence)}" if evidence else ""))
+    return table
 
 
 def run_all(console: Console, paths: list[Path] | None = None) -> int:
@@ -65,15 +88,7 @@ def run_all(console: Console, paths: list[Path] | None = None) -> int:
         rows.append((sc, cells, evidence))
 
     all_pins = sorted({p for _, cells, _ in rows for p in cells}, reverse=True)
-    table = Table(title=f"repro library on {here}", show_lines=False)
-    table.add_column("repro")
-    table.add_column("upstream")
-    for p in all_pins:
-        table.add_column(p)
-    table.add_column("evidence", no_wrap=True, min_width=60)
-    for sc, cells, evidence in rows:
-        refs = " ".join(x for x in (f"#{sc.issue}" if sc.issue else "", f"PR #{sc.pr}" if sc.pr else "") if x)
-        table.add_row(escape(sc.name), refs, *[cells.get(p, "-") for p in all_pins], escape(evidence))
+    table = verdict_table(rows, all_pins, here, console.width)
     console.print(table)
     others = [p for p in all_pins if p != here]
     if others:
