@@ -187,3 +187,24 @@ def test_record_keeps_only_runs_whose_claims_all_hold(tmp_path, monkeypatch):
     assert run.finished and not list((kept / "cmp_evict").rglob("*.safetensors"))
     verdicts = verify.check_claims(run, "cmp_evict", ["pool-free-order"], verify.load_proofs(planted))
     assert [v.holds for v in verdicts] == [True]
+
+
+@pytest.mark.parametrize("check, missing", [
+    ("running_in_admission_order", "the run never shows a step serving two running requests or more"),
+    ("computed_advances_at_schedule", "the run never shows a prefill chunk continued in the next step"),
+    ("budget_is_max_num_batched_tokens", "the run sets no max_num_batched_tokens"),
+    ("table_covers_scheduled_tokens", "the run never shows a running request's table growing"),
+])
+def test_a_check_fails_naming_the_event_its_run_lacks(check, missing):
+    """Issue 34: these four passed on any run. On one request of 16 tokens (golden `single`: one request, no
+    chunk, no budget set, no block boundary crossed) each now fails naming what it needed to see."""
+    from vllm_tour.notes import proofs
+    from vllm_tour.notes.proofs import ClaimFailed
+    from vllm_tour.trace.reader import load_run
+
+    fn = next(getattr(m, check) for m in proofs.MODULES if hasattr(m, check))
+    with pytest.raises(ClaimFailed, match=missing):
+        fn(load_run("single"))
+    # and on the run each is proven on, it holds (the golden the site links for chunked prefill)
+    if check != "running_in_admission_order":
+        assert fn(load_run("chunked_prefill"))

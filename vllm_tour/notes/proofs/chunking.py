@@ -83,30 +83,37 @@ def owed_tokens(run: Run) -> str:
 
 
 def computed_advances_at_schedule(run: Run) -> str:
-    """num_computed_tokens of a running request = previous computed + previous scheduled."""
+    """num_computed_tokens of a running request = previous computed + previous scheduled. Needs the case the
+    note is about: a prefill continued in the next step (a chunk), and a decode following it."""
     last: dict[str, int] = {}
-    n = 0
+    was_prefill: dict[str, bool] = {}
+    chunks, decodes = [], []
     for s in _sched_steps(run):
         for e in s.scheduler.scheduled:
             if e.kind == "running":
                 _need(e.num_computed_tokens == last[e.req_id], s.index,
                       f"{e.req_id} at {e.num_computed_tokens}, previous step ended at {last[e.req_id]}")
-                n += 1
+                (chunks if was_prefill[e.req_id] and e.is_prefill else decodes).append(
+                    f"step {s.index}: {e.req_id} starts at {e.num_computed_tokens}")
             last[e.req_id] = e.num_computed_tokens + e.num_scheduled_tokens
-    return f"{n} running entries each start where the previous step's scheduled tokens end"
+            was_prefill[e.req_id] = e.is_prefill
+    return (_shown(chunks, "a prefill chunk continued in the next step") + "; "
+            + _shown(decodes, "a running request decoding"))
 
 
 def budget_is_max_num_batched_tokens(run: Run) -> str:
-    """The per-step budget is max_num_batched_tokens, and no step exceeds it."""
+    """The per-step budget is max_num_batched_tokens, and no step exceeds it. Needs the budget set by the
+    scenario and used up in some step: a budget nothing reaches proves no limit."""
     want = run.meta.engine_args.get("max_num_batched_tokens")
+    _need(want is not None, None, "the run sets no max_num_batched_tokens: the claim is about that setting")
     full = []
     for s in _sched_steps(run):
         sc = s.scheduler
         _need(sc.token_budget == want and sc.tokens_scheduled <= want, s.index,
               f"budget {sc.token_budget}, scheduled {sc.tokens_scheduled}, max_num_batched_tokens {want}")
         if sc.tokens_scheduled == want:
-            full.append(s.index)
-    return f"budget {want} every step; steps {full} used all of it"
+            full.append(f"step {s.index}")
+    return f"budget {want} every step; used up in " + _shown(full, f"a step that uses all {want} tokens")
 
 
 def _partial_rows(s):
