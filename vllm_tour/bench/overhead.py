@@ -263,6 +263,7 @@ def main() -> None:
         wall[side].append(statistics.mean(w))
         cpu[side].append(statistics.mean(c))
         steps = len(w)
+        print(f"round {k + 1}/{len(order)} {side}: {wall[side][-1] * 1e3:.2f} ms/step", file=sys.stderr, flush=True)
     # The breakdown: each level's probes with timed hooks (timing costs too: these rounds are not in the ratios)
     hook_s: dict[str, dict[str, float]] = {}
     calls: dict[str, dict[str, int]] = {}
