@@ -11,8 +11,10 @@ VOLATILE = {"time", "duration_s", "proc"}  # wall clock and process ids differ f
 
 @pytest.fixture(scope="module")
 def runs(trace_runs):
-    return {lv: load_run(trace_runs.get("preemption", level=lv)) for lv in ("steps", "blocks")} | {
-        "full": load_run(trace_runs.get("preemption"))}
+    # full first: its wrappers stay installed in this process (installs are idempotent), and the lower
+    # levels' runs after it must still record only their own kinds
+    full = load_run(trace_runs.get("preemption"))
+    return {lv: load_run(trace_runs.get("preemption", level=lv)) for lv in ("steps", "blocks")} | {"full": full}
 
 
 def test_each_run_says_its_level(runs):

@@ -101,16 +101,18 @@ def test_without_weights_the_error_says_load_format_dummy(cli, tmp_path):
 
 
 def test_chat_flag_templates_the_prompt_before_any_engine(monkeypatch, tmp_path):
-    """--chat: 'hello' becomes Qwen3's 9-token user turn (1 token without it); a max_model_len of 1 refuses both
-    before any engine starts. In-process (CliRunner): transformers is imported once per session."""
+    """--chat: 'hello' becomes Qwen3's 9-token user turn (1 token without it); a max_model_len of 2 refuses the
+    chat turn before any engine starts (the bare prompt fits). In-process (CliRunner): transformers is imported
+    once per session."""
     from typer.testing import CliRunner
 
     from vllm_tour.cli import app
 
     monkeypatch.setenv("HF_HOME", str(tmp_path))
-    args = ["trace", "-r", "hello", "--model", "Qwen3-0.6B", "--load-format", "dummy", "--max-model-len", "1"]
+    args = ["trace", "-r", "hello", "--model", "Qwen3-0.6B", "--load-format", "dummy", "--max-model-len", "2"]
     assert "the prompt is 9 tokens" in str(CliRunner().invoke(app, [*args, "--chat"]).exception)
-    assert "the prompt is 1 tokens" in str(CliRunner().invoke(app, args).exception)
+    args[-1] = "1"  # a length that holds no prompt and no output is refused first, prompt or not
+    assert "max_model_len must be at least 2" in str(CliRunner().invoke(app, args).exception)
 
 
 def test_dtype_and_load_format_options_reach_the_engine_spec():

@@ -162,11 +162,14 @@ def test_the_readme_chunked_prefill_example_is_longer_than_its_budget():
 
 def test_help_shows_flags_without_a_value_type_and_keeps_bracketed_words(cli):
     trace_help = cli("trace", "--help").stdout
-    flags = [line for line in trace_help.splitlines() if line.startswith("│ --") and any(f in line for f in ("--ignore-eos", "--multiprocess", "--force ", "--no-prefix-caching"))]
+    flags = [line for line in trace_help.splitlines() if line.startswith("  --") and any(f in line for f in ("--ignore-eos", "--multiprocess", "--force ", "--no-prefix-caching"))]
     assert len(flags) == 4 and not any("<bool>" in line for line in flags), flags
     for args in (["--help"], ["show", "--help"], ["annotations", "verify", "--help"]):  # the help option too
         out = cli(*args).stdout
         assert "Show this message and exit." in out and "<bool>" not in out, args
+    top = cli("--help", columns=80).stdout  # every command's summary whole at 80 columns, none cut with "..."
+    commands = top[top.index("Commands:"):]
+    assert "..." not in commands and "cache" in commands and max(map(len, top.splitlines())) <= 80
     repro_help = cli("repro", "--help").stdout
     assert "Expectations ([expect], every pin; [expect.\"v0.21.0\"], that pin only)" in repro_help
     assert "with an [expect] section" in repro_help

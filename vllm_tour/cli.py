@@ -18,7 +18,19 @@ from vllm_tour.compare.components import COMPONENTS
 from vllm_tour.compare.modules import MODULES as COMPARE_MODULES
 from vllm_tour.errors import TourError
 
+class _Group(typer.core.TyperGroup):
+    """Click cuts each command's summary to one line ("..."); here it is whole, wrapped at the terminal's width."""
+
+    def format_commands(self, ctx, formatter) -> None:
+        rows = [(name, cmd.get_short_help_str(limit=10_000)) for name in self.list_commands(ctx)
+                if (cmd := self.get_command(ctx, name)) is not None and not cmd.hidden]
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
+
+
 app = typer.Typer(
+    cls=_Group,
     help="See what upstream vLLM does, step by step, at a pinned version.",
     no_args_is_help=True,
     add_completion=False,
@@ -27,7 +39,7 @@ app = typer.Typer(
     # (rich's option table cut "--max-num-batched…" at 80 columns).
     rich_markup_mode=None,
 )
-models_app = typer.Typer(rich_markup_mode=None, help="The embedded tiny checkpoints (generated, byte-identical everywhere).", no_args_is_help=True)
+models_app = typer.Typer(cls=_Group, rich_markup_mode=None, help="The embedded tiny checkpoints (generated, byte-identical everywhere).", no_args_is_help=True)
 app.add_typer(models_app, name="models")
 
 console = Console()
@@ -138,7 +150,7 @@ def models_make(
     console.print(f"{name}: {path}  sha256 {models.model_digest(path)}")
 
 
-annotations_app = typer.Typer(rich_markup_mode=None, help="Bilingual notes on the pinned upstream source (annotations/*.toml).", no_args_is_help=True)
+annotations_app = typer.Typer(cls=_Group, rich_markup_mode=None, help="Bilingual notes on the pinned upstream source (annotations/*.toml).", no_args_is_help=True)
 app.add_typer(annotations_app, name="annotations")
 
 
@@ -443,7 +455,7 @@ def repro(
     raise typer.Exit(0 if res.reproduced else 1)
 
 
-lab_app = typer.Typer(rich_markup_mode=None, help="Labs: write one component yourself (from a skeleton of the reference) and diff it against upstream.",
+lab_app = typer.Typer(cls=_Group, rich_markup_mode=None, help="Labs: write one component yourself (from a skeleton of the reference) and diff it against upstream.",
                       no_args_is_help=True)
 app.add_typer(lab_app, name="lab")
 

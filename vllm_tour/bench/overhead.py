@@ -195,7 +195,7 @@ def wrapper_cost_per_call(calls: int = 200_000) -> float:
     from vllm_tour.probes.base import Probe, Resolved, make_wrapper
 
     class _On:  # what the wrapper reads of the recorder on its hot path
-        active, capture, fault = True, set(), None
+        active, capture, fault, level_rank = True, set(), None, 2
 
     def target(self):
         return None

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from vllm_tour.errors import TourError
+from vllm_tour.trace import levels
 from vllm_tour.trace.writer import FAULT_ENV  # tests set it to make the named probe raise on every call
 
 _SKIP = object()  # `before` failed: skip `after` for this call
@@ -150,10 +151,13 @@ def make_wrapper(r: Resolved, recorder) -> Callable:
     # Bound once: some targets (RowParallelLinear.forward at TP > 1) run for every layer every step.
     name, before, after, capture_only = probe.name, probe.before, probe.after, probe.capture_only
     live, unsettled = [True], _UNSETTLED  # live: False once settle() wrapped a replacement of this target
+    # A process keeps the wrappers of an earlier run (installs are idempotent): a run at a lower trace level
+    # must not hear the probes its level leaves out.
+    need = levels.rank(probe.level)
 
     @functools.wraps(original)
     def wrapper(*args, **kwargs):
-        if not recorder.active or (capture_only and not recorder.capture) or not live[0]:
+        if not recorder.active or need > recorder.level_rank or (capture_only and not recorder.capture) or not live[0]:
             return original(*args, **kwargs)
         if unsettled[0]:
             settle(recorder)  # may retire this wrapper: this call is still recorded here, the next by the new one
