@@ -112,6 +112,31 @@ def test_partial_sum_off_on_one_rank(compare_upstream, monkeypatch):
     assert bad[0].step == 1
 
 
+def test_one_rank_skips_the_last_all_reduce(compare_upstream, monkeypatch):
+    """Rank 1 goes on with its own partial sum after the last all-reduce (what crossed the collective is right):
+    only its final hidden states and logits shard go wrong. Missed while every rank's logits came from rank 0's
+    hidden states (issue 30); caught now by rank 1's logits shard against upstream's, and by the ranks'
+    final hidden states disagreeing."""
+    all_reduce = tp.SimulatedGroup.all_reduce
+    last = "model.layers.1.mlp.down_proj"
+
+    def skip_on_rank1(self, parts, layer):
+        outs = all_reduce(self, parts, layer)  # recorded as it should be
+        return [outs[0], parts[1]] if layer == last else outs
+
+    monkeypatch.setattr(tp.SimulatedGroup, "all_reduce", skip_on_rank1)
+    r = compare_upstream("reimpl.tp", SCENARIO)
+    assert r.exit_code == 1
+    bad = {d.field: d for d in r.divergences if d.kind == "tensor"}
+    # rank 0's gathered logits hold rank 1's shard: wrong there too, and only there on rank 0
+    assert set(bad) == {"rank1/tp.all_gather_in.logits", "rank1/final_hidden", "rank0/tp.all_gather_out.logits"}, list(bad)
+    assert bad["rank1/tp.all_gather_in.logits"].step == bad["rank1/final_hidden"].step == 1
+    assert bad["rank1/tp.all_gather_in.logits"].message.startswith(
+        "rank 1, layer logits, tensor all_gather_in (logits shard), step 1: max |Δ|")
+    assert all(t.ok for t in r.tensors if t.step == 1 and (".all_reduce_" in t.name or ".column_out." in t.name
+                                                          or t.name == "rank0/tp.all_gather_in.logits"))
+
+
 def test_gate_up_output_laid_out_up_first(compare_upstream, monkeypatch):
     """Rank 0 lays its gate_up output out as [up_r; gate_r] and swaps SiLU's operands to match: every sum
     after it is bitwise the same, so only the column-parallel output itself can show the layout."""
@@ -203,7 +228,7 @@ def test_distributed_ranks_equal_the_simulation(tmp_path, backend):
     for rank in (0, 1):
         got = load_file(str(tmp_path / f"rank{rank}.safetensors"))
         want = {k: v for k, v in sim.group.recorded.items() if k.startswith(f"rank{rank}/")}
-        assert sorted(got) == sorted(want) and len(got) == 2 * (len(LAYERS) + 1) + len(COLUMNS)
+        assert sorted(got) == sorted(want) and len(got) == 2 * (len(LAYERS) + 1) + len(COLUMNS) + 1  # + final_hidden
         for k in want:
             assert torch.equal(got[k], want[k]), k
 

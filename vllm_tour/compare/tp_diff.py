@@ -1,6 +1,7 @@
 """Tensor-parallel diffs, per rank: weight shards (bitwise), every column-parallel layer's output shard and
-every collective's input and output (tolerance), and upstream's own invariant that every rank leaves an
-all-reduce with the same tensor.
+every collective's input and output (tolerance; the logits gather's input is each rank's logits shard, from its
+own hidden states), upstream's own invariant that every rank leaves an all-reduce with the same tensor, and the
+same of the reimpl's ranks' final hidden states.
 
 Upstream's side comes from probes/tp.py (TPShardsRecord, CollectiveRecord, captures tp.column_out.<layer> and
 tp.<op>_<in|out>.<layer> per rank); the reimpl's from reimpl/tp.py (model.shards per rank, group.recorded
@@ -141,10 +142,38 @@ def diff_collectives(run, up_steps: dict, re_steps: dict, re_tensors: dict, atol
     return stats, [first_bad[r] for r in sorted(first_bad)]
 
 
+def final_hidden_disagreements(re_tensors: dict) -> list[Divergence]:
+    """The reimpl's ranks against each other: each leaves the model with the final hidden states of the first.
+
+    Upstream records no final hidden state, but it guarantees this: every rank leaves the last all-reduce with
+    the same bits (rank_disagreements checks upstream's), then applies the same replicated norm. Against
+    upstream itself each rank is judged by its logits shard (tp.all_gather_in.logits), which it computes from
+    its own hidden states; this catches a rank gone wrong after the last all-reduce at rows no logit reads."""
+    import torch
+
+    divs, seen = [], set()
+    for step in sorted(re_tensors):
+        mine = {int(k[4:].partition("/")[0]): t for k, t in re_tensors[step].items() if k.endswith("/final_hidden")}
+        if len(mine) < 2:
+            continue
+        first = min(mine)
+        for rank, t in sorted(mine.items()):
+            if rank in seen or torch.equal(t, mine[first]):
+                continue
+            seen.add(rank)  # the first step per rank: what follows is its consequence
+            delta = float((t.double() - mine[first].double()).abs().max()) if t.shape == mine[first].shape else float("inf")
+            divs.append(Divergence(
+                "tensor", step, f"rank{rank}/final_hidden", None, None,
+                message=f"rank {rank}, layer model.norm, tensor final_hidden (hidden states after the final norm), step "
+                        f"{step}: differs from rank {first}'s by up to {delta:.3g}; upstream's ranks leave the last "
+                        f"all-reduce with the same sum and apply the same norm"))
+    return divs
+
+
 def diff_tp(run_dir, model, up_steps: dict, re_steps: dict, re_tensors: dict, atol: float, rtol: float
             ) -> tuple[list[Divergence], list[TensorStat]]:
     run = load_run(run_dir)
     divs = diff_shards(run, getattr(model, "shards", {}) if model is not None else {})
     divs += rank_disagreements(run)
     stats, bad = diff_collectives(run, up_steps, re_steps, re_tensors, atol, rtol)
-    return divs + bad, stats
+    return divs + bad + final_hidden_disagreements(re_tensors), stats
