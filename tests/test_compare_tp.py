@@ -137,6 +137,20 @@ def test_one_rank_skips_the_last_all_reduce(compare_upstream, monkeypatch):
                                                           or t.name == "rank0/tp.all_gather_in.logits"))
 
 
+def test_headline_names_the_rank_and_layer_before_the_token(compare_upstream, monkeypatch):
+    """Rank 1's o_proj partial sum at layer 0 far off: at step 1 every later collective and the sampled tokens
+    differ too; the headline is the cause (rank 1's partial into layer 0's o_proj all-reduce), not a symptom."""
+    row_parallel = tp.row_parallel
+    monkeypatch.setattr(tp, "row_parallel", lambda x, w, bias, rank: row_parallel(x, w, bias, rank) * (
+        -4.0 if rank == 1 and w.shape[1] == 128 else 1.0))  # o_proj's shard is [256, 128]
+    r = compare_upstream("reimpl.tp", SCENARIO)
+    assert r.exit_code == 1
+    step1 = [d.field for d in r.ordered() if d.step == 1]
+    assert step1[0] == r.first.field == "rank1/tp.all_reduce_in.model.layers.0.self_attn.o_proj"
+    assert step1[1] == "rank0/tp.all_reduce_out.model.layers.0.self_attn.o_proj"  # then what it fed
+    assert any(f.startswith("runner.sampled_token_ids") for f in step1[2:])
+
+
 def test_gate_up_output_laid_out_up_first(compare_upstream, monkeypatch):
     """Rank 0 lays its gate_up output out as [up_r; gate_r] and swaps SiLU's operands to match: every sum
     after it is bitwise the same, so only the column-parallel output itself can show the layout."""
