@@ -86,6 +86,17 @@ def test_uncarried_option_refused_before_engine(tmp_path, monkeypatch, extra, na
     assert named in str(res.exception)
 
 
+def test_fixture_refuses_before_upstream_runs(tmp_path, compare_upstream, monkeypatch):
+    sc = tmp_path / "s.toml"
+    sc.write_text('name = "s"\n[engine.extra]\nmax_num_active_seqs = 2\n'
+                  '[[requests]]\nid = "r"\ntoken_ids = [1, 2, 3]\nmax_tokens = 2\n')
+    from vllm_tour.compare import pytest_plugin
+
+    monkeypatch.setattr(pytest_plugin, "upstream_run_for", lambda *a, **k: pytest.fail("an engine started"))
+    with pytest.raises(TourError, match="engine.extra.max_num_active_seqs: upstream would run with this option"):
+        compare_upstream("reimpl.paged_attn", sc)
+
+
 def test_refusal_is_one_line_exit_2(tmp_path, cli):
     sc = tmp_path / "s.toml"
     sc.write_text('name = "s"\n[engine.extra]\nmax_num_active_seqs = 2\n'

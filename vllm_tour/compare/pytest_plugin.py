@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from . import harness
-from .reimpl_side import check_module, engine_components
+from .reimpl_side import applicable, check_module, engine_components
 from .result import CompareResult
 from .upstream import load_capture, load_upstream, upstream_run_for
 
@@ -79,8 +79,14 @@ def compare_upstream(upstream_run):
     """compare_upstream(module, scenario, impl={...}, **kw) -> CompareResult, reusing the session's upstream runs."""
 
     def run(module: str, scenario: str | Path, impl: dict | None = None, **kw) -> CompareResult:
+        from ..errors import TourError
+        from ..scenario import load_scenario
+
         check_module(module)
         engine_components(module, impl)  # a broken impl fails here, before upstream may have to run
+        sc = load_scenario(_resolve(scenario))
+        if why := applicable(sc, module):  # e.g. an engine option the reimpl cannot carry: before upstream runs
+            raise TourError(f"scenario {sc.name}: the reimpl cannot run it: {why}")
         up = upstream_run(scenario)
         return harness.compare(module, _resolve(scenario), upstream_run=up.run_dir, impl=impl, **kw)
 
