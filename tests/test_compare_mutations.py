@@ -102,7 +102,7 @@ def test_headline_is_the_first_wrong_tensor_in_data_flow(compare_upstream, cli, 
     assert (r.first.kind, r.first.step, r.first.field) == ("tensor", 1, "attn_out.layers.0")
     assert r.first.message.startswith("tensor attn_out.layers.0 out of tolerance at step 1: max |Δ|")
     assert r.to_json()["first_divergence"]["field"] == "attn_out.layers.0"
-    with pytest.raises(AssertionError, match=r"at step 1, field attn_out.layers.0"):
+    with pytest.raises(AssertionError, match=r"tensor attn_out.layers.0 at step 1 out of tolerance"):
         assert_matches_upstream(r)
 
 

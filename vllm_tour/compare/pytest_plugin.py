@@ -94,7 +94,11 @@ def compare_upstream(upstream_run):
 
 
 def format_first(result: CompareResult) -> str:
-    f = result.first
+    f = result.first  # in data-flow order: a tensor out of tolerance can come before a decision of its step
+    bad = next((t for t in result.bad_tensors if f is not None and (t.name, t.step) == (f.field, f.step)), None)
+    if bad is not None:
+        return (f"{result.module} on {result.scenario}: tensor {bad.name} at step {bad.step} out of tolerance: "
+                f"max|Δ|={bad.max_abs:.3g} (atol {bad.atol:g}, rtol {bad.rtol:g}) {bad.note}".rstrip())
     if f is not None:
         where = f"step {f.step}" if f.step is not None else "outputs"
         return (f"{result.module} diverges from upstream on {result.scenario} at {where}, field {f.field}: "
