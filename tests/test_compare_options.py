@@ -105,3 +105,10 @@ def test_refusal_is_one_line_exit_2(tmp_path, cli):
     assert p.returncode == 2
     assert len(p.stderr.strip().splitlines()) == 1
     assert p.stderr.startswith("error: scenario s: the reimpl cannot run it: engine.extra.max_num_active_seqs:")
+
+
+def test_carried_threshold_judged_on_tensors_too(compare_upstream):
+    """The capped chunks run through the model as upstream's did: attention outputs and KV blocks within fp32."""
+    result = compare_upstream("reimpl.paged_attn", DATA / "opt_long_prefill.toml")
+    assert_matches_upstream(result)
+    assert result.tensors and {t.step for t in result.tensors} >= {1, 2}
