@@ -287,6 +287,8 @@ class TPQwen3:
         hidden: [tokens, ranks of this process, hidden size] (forward's output, rows picked). After the last
         all-reduce every rank should hold the same hidden states, but each computes its shard from its own,
         as upstream's ParallelLMHead does: one copy for all would hide a rank whose last layer went wrong."""
+        for j, r in enumerate(self.group.ranks):
+            self.group.keep(r, "final_hidden.model.norm", hidden[:, j])  # the LM head's input, as upstream captures it
         shards = [hidden[:, j] @ self.shards[r]["lm_head.weight"].T for j, r in enumerate(self.group.ranks)]
         return self.group.all_gather(shards, "logits")[0][:, :self.vocab_size]
 

@@ -71,7 +71,7 @@ def _rows(name: str, up_runner: dict | None, re_runner: dict | None):
         return None
     order = {rid: i for i, rid in enumerate(re_runner["req_ids"])}
     try:
-        if name.endswith(".logits"):
+        if name.endswith(".logits") or ".final_hidden." in name:  # one row per request that gives logits
             return [order[rid] for rid in up_runner["req_ids"]]
         qsl = re_runner["query_start_loc"]
         return [j for rid in up_runner["req_ids"] for j in range(qsl[order[rid]], qsl[order[rid] + 1])]
@@ -79,7 +79,7 @@ def _rows(name: str, up_runner: dict | None, re_runner: dict | None):
         return None
 
 
-WHAT = {"column_out": "column-parallel output shard", "all_reduce_in": "partial sum into the all-reduce",
+WHAT = {"final_hidden": "final hidden states, the LM head's input", "column_out": "column-parallel output shard", "all_reduce_in": "partial sum into the all-reduce",
         "all_reduce_out": "all-reduce result", "all_gather_in": "logits shard", "all_gather_out": "gathered logits",
         "gather_in": "logits shard", "gather_out": "gathered logits"}
 
@@ -102,6 +102,7 @@ def diff_collectives(run, up_steps: dict, re_steps: dict, re_tensors: dict, atol
 
     stats: list[TensorStat] = []
     first_bad: dict[int, Divergence] = {}
+    has_final = final_hidden_recorded(run)
     for step in run.steps:
         mine_all = re_tensors.get(step.index)
         if mine_all is None:
@@ -135,6 +136,8 @@ def diff_collectives(run, up_steps: dict, re_steps: dict, re_tensors: dict, atol
             # a gather (not all-gather) leaves nothing on the other ranks: upstream records no out there
             keys |= {f"rank{rank}/tp.all_gather_out.{c.layer}" for c in step.collectives.get(rank, [])
                      if c.op == "gather" and c.sha256_out is None}
+            if not has_final:  # a run of a pin without the probe (or recorded before it): harness notes it
+                keys |= {k for k in mine_all if k.startswith(f"rank{rank}/tp.final_hidden.")}
             for key in sorted(k for k in mine_all if k.startswith(f"rank{rank}/tp.") and k not in keys):
                 stats.append(TensorStat(key, step.index, list(mine_all[key].shape), float("inf"), float("inf"), atol,
                                         rtol, False, f"missing: upstream captured no {key.partition('/')[2]} on rank {rank}"))
@@ -142,13 +145,20 @@ def diff_collectives(run, up_steps: dict, re_steps: dict, re_tensors: dict, atol
     return stats, [first_bad[r] for r in sorted(first_bad)]
 
 
+def final_hidden_recorded(run) -> bool:
+    """Whether upstream captured its ranks' final hidden states (probes/tp.py final_hidden: v0.32.0 on)."""
+    return any(c.name.startswith("tp.final_hidden.") for step in run.steps for c in step.captures)
+
+
 def final_hidden_disagreements(re_tensors: dict) -> list[Divergence]:
     """The reimpl's ranks against each other: each leaves the model with the final hidden states of the first.
 
-    Upstream records no final hidden state, but it guarantees this: every rank leaves the last all-reduce with
+    Upstream captures its final hidden states only at the rows that give logits (and on v0.32.0 only); it
+    guarantees this at every row: every rank leaves the last all-reduce with
     the same bits (rank_disagreements checks upstream's), then applies the same replicated norm. Against
-    upstream itself each rank is judged by its logits shard (tp.all_gather_in.logits), which it computes from
-    its own hidden states; this catches a rank gone wrong after the last all-reduce at rows no logit reads."""
+    upstream itself each rank is judged by its final hidden states and its logits shard at the logits rows
+    (tp.final_hidden.model.norm, tp.all_gather_in.logits); this catches a rank gone wrong after the last
+    all-reduce at rows no logit reads."""
     import torch
 
     divs, seen = [], set()
@@ -170,10 +180,14 @@ def final_hidden_disagreements(re_tensors: dict) -> list[Divergence]:
     return divs
 
 
-def diff_tp(run_dir, model, up_steps: dict, re_steps: dict, re_tensors: dict, atol: float, rtol: float
-            ) -> tuple[list[Divergence], list[TensorStat]]:
+def diff_tp(run_dir, model, up_steps: dict, re_steps: dict, re_tensors: dict, atol: float, rtol: float,
+            not_compared: list[dict] | None = None) -> tuple[list[Divergence], list[TensorStat]]:
     run = load_run(run_dir)
     divs = diff_shards(run, getattr(model, "shards", {}) if model is not None else {})
     divs += rank_disagreements(run)
     stats, bad = diff_collectives(run, up_steps, re_steps, re_tensors, atol, rtol)
+    if not_compared is not None and not final_hidden_recorded(run):
+        not_compared.append({"what": "each rank's final hidden states against upstream's (tp.final_hidden)",
+                             "why": "this upstream run captured none (the probe exists from pin v0.32.0 on); the ranks "
+                                    "are judged by their logits shards, and the reimpl's ranks must agree"})
     return divs + bad + final_hidden_disagreements(re_tensors), stats
