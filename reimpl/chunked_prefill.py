@@ -74,6 +74,8 @@ class Scheduler:
         max_model_len: int,
         enable_chunked_prefill: bool = True,
         reserve_full_sequence: bool = True,
+        long_prefill_token_threshold: int = 0,
+        long_prefill_token_threshold_adaptive: bool = False,
     ):
         self.kv = kv
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -82,6 +84,9 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         # upstream SchedulerConfig.scheduler_reserve_full_isl (default True at v0.32.0)
         self.reserve_full_sequence = reserve_full_sequence
+        # upstream SchedulerConfig.long_prefill_token_threshold(_adaptive) (default 0 / False)
+        self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.long_prefill_token_threshold_adaptive = long_prefill_token_threshold_adaptive
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -107,6 +112,7 @@ class Scheduler:
         )
         self.finished_since_last_step = []
         token_budget = self.max_num_batched_tokens
+        cap = self.long_prefill_cap()
 
         # 1) RUNNING requests first, in order. Each wants num_tokens - num_computed
         #    (1 for a decode; the rest of the prompt for a chunked prefill).
@@ -119,8 +125,10 @@ class Scheduler:
                 i += 1  # async: the step in flight already samples its last token; do not run one more
                 continue
             # tokens still in flight (async) count as known: the runner takes them from the GPU
-            num_new = self.chunk(request.num_tokens + request.num_output_placeholders - request.num_computed_tokens,
-                                 token_budget)
+            num_wanted = request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
+            if 0 < cap < num_wanted:
+                num_wanted = cap  # a long prefill leaves budget to the others
+            num_new = self.chunk(num_wanted, token_budget)
             # never run a position past max_model_len (1 slot kept for the sampled token)
             num_new = min(num_new, self.max_model_len - request.num_computed_tokens - 1)
             if num_new == 0:
@@ -166,6 +174,8 @@ class Scheduler:
             num_computed = request.num_computed_tokens + num_hit_tokens
             # num_tokens, not num_prompt_tokens: a resumed request recomputes its outputs too.
             num_new = request.num_tokens - num_computed
+            if 0 < cap < num_new:
+                num_new = cap  # before the no-chunking check, as upstream: a capped prompt is chunked anyway
             if not self.enable_chunked_prefill and num_new > token_budget:
                 out.admission_stop = "budget"
                 break
@@ -199,6 +209,18 @@ class Scheduler:
         next schedule() must not hand out the same tokens again."""
         for s in out.scheduled:
             self.requests[s.req_id].num_computed_tokens += s.num_tokens
+
+    def long_prefill_cap(self) -> int:
+        """This step's cap on one request's new tokens (0: none), fixed when the step starts.
+
+        The threshold stops one long prefill from starving the others of the token budget, so it
+        applies only when there is someone to starve: two or more requests running or waiting. The
+        adaptive variant never cuts below a fair share, budget // number of those requests."""
+        eligible = len(self.running) + len(self.waiting)
+        cap = self.long_prefill_token_threshold if eligible > 1 else 0
+        if cap > 0 and self.long_prefill_token_threshold_adaptive:
+            cap = max(cap, self.max_num_batched_tokens // eligible)
+        return cap
 
     def pick_victim(self) -> Request:
         """FCFS preemption: the *last* running request, i.e. the most recently admitted one."""

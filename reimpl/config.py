@@ -33,6 +33,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     reserve_full_sequence: bool = True  # upstream scheduler_reserve_full_isl
+    # Cap on the tokens one long prefill takes in a step when others are waiting or running (0: no cap);
+    # adaptive: never below a fair share of the budget (chunked_prefill.Scheduler.long_prefill_cap)
+    long_prefill_token_threshold: int = 0
+    long_prefill_token_threshold_adaptive: bool = False
     # Free-queue order of freed blocks (block_pool.FREE_POLICIES): "uncached_to_front"
     # mirrors v0.32.0, "append_all" mirrors v0.21.0. Chosen per pin by the harness.
     free_policy: str = "uncached_to_front"

@@ -66,6 +66,7 @@ class Engine:
         self.scheduler = scheduler(
             self.kv, cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.max_model_len,
             cfg.enable_chunked_prefill, cfg.reserve_full_sequence,
+            cfg.long_prefill_token_threshold, cfg.long_prefill_token_threshold_adaptive,
         )
         self.caches = self.model.new_kv_caches(cfg.num_blocks, cfg.block_size)
         self.sampler = Sampler()

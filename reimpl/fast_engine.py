@@ -301,7 +301,8 @@ class FastEngine:
                                  cfg.free_policy)
         scheduler_cls = AsyncScheduler if cfg.async_scheduling else Scheduler
         self.scheduler = scheduler_cls(self.kv, cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.max_model_len,
-                                       cfg.enable_chunked_prefill, cfg.reserve_full_sequence)
+                                       cfg.enable_chunked_prefill, cfg.reserve_full_sequence,
+                                       cfg.long_prefill_token_threshold, cfg.long_prefill_token_threshold_adaptive)
         self.caches = model.new_kv_caches(cfg.num_blocks, cfg.block_size)
         # Persistent block table: one row per running request (upstream BlockTable).
         self.max_blocks = math.ceil(cfg.max_model_len / cfg.block_size)

@@ -23,6 +23,8 @@ deterministic; compare and the tests use it); `DistributedGroup` runs one rank p
 torch.distributed (gloo on CPU, NCCL on GPUs) and computes the same values.
 
 Per decoder layer two all-reduces (o_proj, down_proj), plus the embedding's, plus the logits gather.
+Each rank keeps its own residual stream and final hidden states, and computes its logits shard from them
+(`vllm.model_executor.layers.logits_processor.LogitsProcessor._get_logits` runs on every rank).
 The maths between the collectives is qwen3.py's (qwen3_numerics.py).
 """
 
@@ -233,7 +235,7 @@ class TPQwen3:
 
     def forward(self, input_ids: list[int], positions: list[int], meta: BatchMeta,
                 caches: list[list[PagedKVCache]]) -> torch.Tensor:
-        """Hidden states [num_tokens, hidden] after the final norm (every rank holds the same; the first's)."""
+        """Hidden states after the final norm, per rank of this process: [num_tokens, ranks, hidden]."""
         g, ranks, n, hd = self.group, self.group.ranks, len(input_ids), self.head_dim
         g.recorded = {}
         S = [self.shards[r] for r in ranks]
@@ -274,12 +276,20 @@ class TPQwen3:
             reduced = g.all_reduce(partials, p + "mlp.down_proj")
             norm = f"model.layers.{i + 1}.input_layernorm.weight" if i + 1 < self.num_layers else "model.norm.weight"
             xs, hs = zip(*(add_rms_norm(x, y, s[norm], self.eps) for x, y, s in zip(xs, reduced, S)))
-        return hs[0]
+        for r, h in zip(ranks, hs):  # no collective: compare checks the ranks agree (tp_diff.final_hidden_disagreements)
+            g.recorded[f"rank{r}/final_hidden"] = h.clone()
+        return torch.stack(hs, dim=1)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Each rank's logits over its vocab shard, gathered, cut to the real vocab (every rank holds the
-        same hidden states after the last all-reduce, so one copy serves them all)."""
-        shards = [hidden @ self.shards[r]["lm_head.weight"].T for r in self.group.ranks]
+        """Each rank's logits over its vocab shard, from that rank's own hidden states, gathered and cut to
+        the real vocab; the first rank's copy is returned (upstream samples on rank 0).
+
+        hidden: [tokens, ranks of this process, hidden size] (forward's output, rows picked). After the last
+        all-reduce every rank should hold the same hidden states, but each computes its shard from its own,
+        as upstream's ParallelLMHead does: one copy for all would hide a rank whose last layer went wrong."""
+        for j, r in enumerate(self.group.ranks):
+            self.group.keep(r, "final_hidden.model.norm", hidden[:, j])  # the LM head's input, as upstream captures it
+        shards = [hidden[:, j] @ self.shards[r]["lm_head.weight"].T for j, r in enumerate(self.group.ranks)]
         return self.group.all_gather(shards, "logits")[0][:, :self.vocab_size]
 
 

@@ -60,6 +60,24 @@ def test_no_topk_renormalisation_names_the_weights(compare_upstream, monkeypatch
     assert "moe_out.layers.0" in {t.name for t in r.bad_tensors}
 
 
+def test_headline_is_layer_0_moe_output_not_layer_1_routing(compare_upstream):
+    """The MoE output of every layer scaled by 3, its routing right: at step 1 layer 0's MoE output, layer 1's
+    router logits and routing, its output and the sampled token all differ. The headline is the cause, layer 0's
+    MoE output; the layer-1 routing change and the token follow in the model's order (issue 30)."""
+    import dataclasses
+
+    def scaled(*a, **kw):
+        out = ep.expert_parallel_moe(*a, **kw)
+        return dataclasses.replace(out, out=out.out * 3.0)
+
+    r = compare_upstream("reimpl.ep", "cmp_moe_single", impl={"moe": scaled})
+    assert r.exit_code == 1
+    assert (r.first.kind, r.first.step, r.first.field) == ("tensor", 1, "moe_out.layers.0")
+    step1 = [d.field for d in r.ordered() if d.step == 1]
+    assert step1[:3] == ["moe_out.layers.0", "router_logits.layers.1", "moe.layers[1].topk_ids[1]"]
+    assert step1[-1] == "runner.sampled_token_ids[r0]"
+
+
 def test_expert_map_off_by_one_names_the_rank(compare_upstream, monkeypatch):
     """Every rank's map shifted one expert along: expert 0 is computed by no rank."""
     place = ep.determine_expert_map

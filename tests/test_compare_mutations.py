@@ -86,3 +86,43 @@ def test_cli_names_first_divergence_and_explains(monkeypatch, upstream_run):
     assert "first divergence: step 1 · scheduler.scheduled[long1].num_scheduled_tokens" in r.output
     assert "explain: state at step 1" in r.output
     assert "admission stopped by" in r.output  # the reimpl's queues and budget at that step
+
+
+def test_headline_is_the_first_wrong_tensor_in_data_flow(compare_upstream, cli, tmp_path, upstream_run):
+    """Attention outputs scaled by -3 in every layer: at step 1 layer 0's attention output, layer 1's KV blocks and
+    attention output and the sampled token all differ. The headline is the cause, layer 0's attention output,
+    not the sampled token (issue 30); the rest follow in the model's order."""
+    def negated(q, k_new, v_new, cache, meta, bf16_weights=False):
+        return paged_attn.paged_attention(q, k_new, v_new, cache, meta, bf16_weights=bf16_weights) * -3.0
+
+    r = compare_upstream("reimpl.paged_attn", "cmp_single", impl={"paged_attention": negated})
+    assert r.exit_code == 1
+    at_step_1 = [d.field for d in r.ordered() if d.step == 1]
+    assert at_step_1 == ["attn_out.layers.0", "kv_blocks.layers.1", "attn_out.layers.1", "runner.sampled_token_ids[r0]"]
+    assert (r.first.kind, r.first.step, r.first.field) == ("tensor", 1, "attn_out.layers.0")
+    assert r.first.message.startswith("tensor attn_out.layers.0 out of tolerance at step 1: max |Δ|")
+    assert r.to_json()["first_divergence"]["field"] == "attn_out.layers.0"
+    with pytest.raises(AssertionError, match=r"tensor attn_out.layers.0 at step 1 out of tolerance"):
+        assert_matches_upstream(r)
+
+
+def test_data_flow_order_of_names():
+    """flow.flow_key on the names compare produces: decisions before the model, the model layer by layer and op by
+    op (TP collectives, MoE routing), the logits, then the sampler; ranks in order; steps first."""
+    from vllm_tour.compare.diffs import Divergence
+    from vllm_tour.compare.flow import flow_key
+
+    want = ["step", "scheduler.scheduled[a].num_scheduled_tokens", "kv.block_tables[a]", "runner.requests[a].slot_mapping",
+            "attention.requests[a].seq_len", "rank0/tp.all_reduce_in.model.embed_tokens",
+            "rank1/tp.column_out.model.layers.0.self_attn.qkv_proj", "kv_blocks.layers.0", "attn_out.layers.0",
+            "rank0/tp.all_reduce_in.model.layers.0.self_attn.o_proj", "rank1/tp.all_reduce_in.model.layers.0.self_attn.o_proj",
+            "rank0/tp.all_reduce_out.model.layers.0.self_attn.o_proj", "router_logits.layers.0",
+            "moe.layers[0].topk_ids[3]", "moe_partial.layers.0.rank1", "moe_out.layers.0",
+            "moe.layers[1].rank[0].expert_map", "rank1/final_hidden", "rank1/tp.all_gather_in.logits",
+            "rank0/tp.all_gather_out.logits", "runner.sampled_token_ids[a]", "reimpl.exception"]
+    kinds = {"step": "missing", "reimpl.exception": "crash"}
+    divs = [Divergence(kinds.get(f, "tensor" if "layers" in f or "/" in f else "decision"), 2, f) for f in want]
+    divs += [Divergence("decision", 1, "runner.sampled_token_ids[a]"), Divergence("tokens", None, "outputs[a].token_ids[0]")]
+    got = sorted(reversed(divs), key=flow_key)
+    assert [(d.step, d.field) for d in got] == ([(1, "runner.sampled_token_ids[a]")] + [(2, f) for f in want]
+                                                + [(None, "outputs[a].token_ids[0]")])

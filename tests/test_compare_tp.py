@@ -53,6 +53,10 @@ def test_probes_record_each_rank(upstream_run):
         tokens = step.collectives[0][0].shape_in[0]
         assert shapes == {(r, f"tp.column_out.{layer}"): [tokens, 256 if layer.endswith("qkv_proj") else 512]
                           for r in (0, 1) for layer in COLUMNS}
+        # each rank's own final hidden states at the rows that give logits, the same on both (the LM head's input)
+        final = {c.proc.rank: c for c in step.captures if c.name == "tp.final_hidden.model.norm"}
+        logits_rows = step.collectives[0][-1].shape_in[0]
+        assert sorted(final) == [0, 1] and all(c.shape == [logits_rows, 256] for c in final.values())
 
 
 def test_compare_tp_clean(compare_upstream):
@@ -64,6 +68,9 @@ def test_compare_tp_clean(compare_upstream):
             assert {f"rank{rank}/tp.all_reduce_in.{layer}", f"rank{rank}/tp.all_reduce_out.{layer}"} <= judged
         assert f"rank{rank}/tp.all_gather_out.logits" in judged
         assert {f"rank{rank}/tp.column_out.{layer}" for layer in COLUMNS} <= judged
+        # each rank's own final hidden states and logits shard, against upstream's same rank
+        assert {f"rank{rank}/tp.final_hidden.model.norm", f"rank{rank}/tp.all_gather_in.logits"} <= judged
+    assert not any(n["what"].startswith("each rank's final hidden states") for n in r.not_compared)
 
 
 def _first(r):
@@ -110,6 +117,49 @@ def test_partial_sum_off_on_one_rank(compare_upstream, monkeypatch):
     assert r.exit_code == 1 and bad[0].field == "rank1/tp.all_reduce_in.model.layers.0.mlp.down_proj"
     assert bad[0].message.startswith("rank 1, layer model.layers.0.mlp.down_proj, tensor all_reduce_in (partial sum")
     assert bad[0].step == 1
+
+
+def test_one_rank_skips_the_last_all_reduce(compare_upstream, monkeypatch):
+    """Rank 1 goes on with its own partial sum after the last all-reduce (what crossed the collective is right):
+    only its final hidden states and logits shard go wrong. Missed while every rank's logits came from rank 0's
+    hidden states (issue 30); caught now by rank 1's final hidden states and logits shard against upstream's
+    rank 1, and by the ranks' final hidden states disagreeing."""
+    all_reduce = tp.SimulatedGroup.all_reduce
+    last = "model.layers.1.mlp.down_proj"
+
+    def skip_on_rank1(self, parts, layer):
+        outs = all_reduce(self, parts, layer)  # recorded as it should be
+        return [outs[0], parts[1]] if layer == last else outs
+
+    monkeypatch.setattr(tp.SimulatedGroup, "all_reduce", skip_on_rank1)
+    r = compare_upstream("reimpl.tp", SCENARIO)
+    assert r.exit_code == 1
+    bad = {d.field: d for d in r.divergences if d.kind == "tensor"}
+    # rank 1: its final hidden states against upstream's rank 1 (and against rank 0's); rank 0's gathered logits
+    # hold rank 1's shard: wrong there too, and only there on rank 0
+    assert set(bad) == {"rank1/tp.final_hidden.model.norm", "rank1/final_hidden", "rank0/tp.all_gather_out.logits"}, list(bad)
+    assert bad["rank1/tp.final_hidden.model.norm"].step == bad["rank1/final_hidden"].step == 1
+    assert bad["rank1/tp.final_hidden.model.norm"].message.startswith(
+        "rank 1, layer model.norm, tensor final_hidden (final hidden states, the LM head's input), step 1: max |Δ|")
+    assert r.first.field == "rank1/tp.final_hidden.model.norm"  # before the logits it feeds
+    assert not any(t.ok for t in r.tensors if t.step == 1 and t.name == "rank1/tp.all_gather_in.logits")
+    assert all(t.ok for t in r.tensors if t.step == 1 and (".all_reduce_" in t.name or ".column_out." in t.name
+                                                          or t.name.startswith("rank0/tp.final_hidden")
+                                                          or t.name == "rank0/tp.all_gather_in.logits"))
+
+
+def test_headline_names_the_rank_and_layer_before_the_token(compare_upstream, monkeypatch):
+    """Rank 1's o_proj partial sum at layer 0 far off: at step 1 every later collective and the sampled tokens
+    differ too; the headline is the cause (rank 1's partial into layer 0's o_proj all-reduce), not a symptom."""
+    row_parallel = tp.row_parallel
+    monkeypatch.setattr(tp, "row_parallel", lambda x, w, bias, rank: row_parallel(x, w, bias, rank) * (
+        -4.0 if rank == 1 and w.shape[1] == 128 else 1.0))  # o_proj's shard is [256, 128]
+    r = compare_upstream("reimpl.tp", SCENARIO)
+    assert r.exit_code == 1
+    step1 = [d.field for d in r.ordered() if d.step == 1]
+    assert step1[0] == r.first.field == "rank1/tp.all_reduce_in.model.layers.0.self_attn.o_proj"
+    assert step1[1] == "rank0/tp.all_reduce_out.model.layers.0.self_attn.o_proj"  # then what it fed
+    assert any(f.startswith("runner.sampled_token_ids") for f in step1[2:])
 
 
 def test_gate_up_output_laid_out_up_first(compare_upstream, monkeypatch):
@@ -203,7 +253,7 @@ def test_distributed_ranks_equal_the_simulation(tmp_path, backend):
     for rank in (0, 1):
         got = load_file(str(tmp_path / f"rank{rank}.safetensors"))
         want = {k: v for k, v in sim.group.recorded.items() if k.startswith(f"rank{rank}/")}
-        assert sorted(got) == sorted(want) and len(got) == 2 * (len(LAYERS) + 1) + len(COLUMNS)
+        assert sorted(got) == sorted(want) and len(got) == 2 * (len(LAYERS) + 1) + len(COLUMNS) + 2  # + final_hidden x2
         for k in want:
             assert torch.equal(got[k], want[k]), k
 

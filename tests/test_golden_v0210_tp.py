@@ -38,6 +38,8 @@ def test_reimpl_tp_matches_upstream_cuda_tp2(tmp_path, name):
     r = _compare_golden(tmp_path, name, module="reimpl.tp")
     assert r["status"] == "clean", r["first_divergence"]
     assert r["steps"]["upstream"] == r["steps"]["reimpl"] > 1
+    # v0.21.0 runs carry no final hidden states (probes/tp.py final_hidden is v0.32.0's): said, not failed
+    assert any(n["what"].startswith("each rank's final hidden states") for n in r["not_compared"])
 
 
 def test_reimpl_tp_bf16_on_cpu_matches_upstream_cuda_tp2_bf16(tmp_path):

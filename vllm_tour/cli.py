@@ -18,6 +18,7 @@ from vllm_tour.compare.components import COMPONENTS
 from vllm_tour.compare.modules import MODULES as COMPARE_MODULES
 from vllm_tour.errors import TourError
 
+
 class _Group(typer.core.TyperGroup):
     """Click cuts each command's summary to one line ("..."); here it is whole, wrapped at the terminal's width."""
 

@@ -163,7 +163,7 @@ def compare(module: str, scenario_path: Path | str, *, fresh: bool = False, upst
     world = get_module(module).world_size
     if tensors and world > 1:
         tp_divs, tstats = diff_tp(run_dir, engine.model if engine else None, up.steps, re_steps, re_tensors,
-                                  tol.atol, tol.rtol)
+                                  tol.atol, tol.rtol, not_compared)
         divs += tp_divs
         if crash is None:
             divs += _tp1_tokens(scenario, up, components, {k: v for k, v in up.outputs.items() if k not in forced}, dtype)

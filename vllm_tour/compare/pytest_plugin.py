@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from vllm_tour.compare import harness
-from vllm_tour.compare.reimpl_side import check_module, engine_components
+from vllm_tour.compare.reimpl_side import applicable, check_module, engine_components
 from vllm_tour.compare.result import CompareResult
 from vllm_tour.compare.upstream import load_capture, load_upstream, upstream_run_for
 
@@ -79,8 +79,14 @@ def compare_upstream(upstream_run):
     """compare_upstream(module, scenario, impl={...}, **kw) -> CompareResult, reusing the session's upstream runs."""
 
     def run(module: str, scenario: str | Path, impl: dict | None = None, **kw) -> CompareResult:
+        from vllm_tour.errors import TourError
+        from vllm_tour.scenario import load_scenario
+
         check_module(module)
         engine_components(module, impl)  # a broken impl fails here, before upstream may have to run
+        sc = load_scenario(_resolve(scenario))
+        if why := applicable(sc, module):  # e.g. an engine option the reimpl cannot carry: before upstream runs
+            raise TourError(f"scenario {sc.name}: the reimpl cannot run it: {why}")
         up = upstream_run(scenario)
         return harness.compare(module, _resolve(scenario), upstream_run=up.run_dir, impl=impl, **kw)
 
@@ -88,7 +94,11 @@ def compare_upstream(upstream_run):
 
 
 def format_first(result: CompareResult) -> str:
-    f = result.first
+    f = result.first  # in data-flow order: a tensor out of tolerance can come before a decision of its step
+    bad = next((t for t in result.bad_tensors if f is not None and (t.name, t.step) == (f.field, f.step)), None)
+    if bad is not None:
+        return (f"{result.module} on {result.scenario}: tensor {bad.name} at step {bad.step} out of tolerance: "
+                f"max|Δ|={bad.max_abs:.3g} (atol {bad.atol:g}, rtol {bad.rtol:g}) {bad.note}".rstrip())
     if f is not None:
         where = f"step {f.step}" if f.step is not None else "outputs"
         return (f"{result.module} diverges from upstream on {result.scenario} at {where}, field {f.field}: "

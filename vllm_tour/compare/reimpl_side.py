@@ -12,6 +12,7 @@ from typing import Callable
 
 from vllm_tour.compare.components import check_impl, load_impl
 from vllm_tour.compare.modules import MODULES, get_module
+from vllm_tour.compare.options import carried_config, check_extra
 from vllm_tour.compare.upstream import DTYPES, UpstreamRecords, is_moe_model
 from vllm_tour.errors import TourError
 from vllm_tour.trace.logprobs import TOP_K
@@ -21,6 +22,10 @@ def applicable(scenario, module: str | None = None) -> str | None:
     """Why `module` (None: a single-device one) cannot run this scenario, or None if it can."""
     if scenario.engine.load_format == "dummy":
         return "load_format dummy (upstream's random weights are in no checkpoint the reimpl could load)"
+    try:  # an option upstream would run with and the reimpl without: the reimpl would look wrong
+        check_extra(scenario.engine.extra)
+    except TourError as e:
+        return str(e)
     world = get_module(module).world_size if module else 1
     tp = scenario.engine.tensor_parallel_size
     ep = scenario.engine.enable_expert_parallel and tp > 1
@@ -154,6 +159,7 @@ def run_reimpl(scenario, up: UpstreamRecords, components: dict[str, object], eng
     from vllm_tour.upstream import pins
 
     policies = pins.pin_profile(up.meta["pin"]).reimpl_policies()
+    carried = carried_config(args)  # the scheduling options upstream ran with (options.CARRIED)
     cfg = EngineConfig(
         model_dir=str(model_dir),
         block_size=kv["block_size"],
@@ -165,7 +171,10 @@ def run_reimpl(scenario, up: UpstreamRecords, components: dict[str, object], eng
         dtype=dtype,
         bf16_attention_weights=up.isa == "amx",
         **policies,
+        **carried,
     )
+    for k, v in carried.items():
+        notes.append(f"carried from upstream's engine args: {k}={v}")
     if cfg.bf16_attention_weights:
         notes.append("upstream ran the AMX CPU attention kernel: the reimpl rounds its softmax weights to bf16 "
                      "before P·V as that kernel does (paged_attn.paged_attention bf16_weights)")

@@ -46,14 +46,17 @@ def render(result: CompareResult, console: Console, explain: bool = False, max_r
         where = f"step {first.step}" if first.step is not None else "outputs"
         console.print(f"[bold red]first divergence[/]: {where} · [bold]{escape(first.field)}[/]"
                       + (f" · request {escape(first.req_id)}" if first.req_id else ""))
-        console.print(f"  upstream: {_short(first.upstream, 200)}")
-        console.print(f"  reimpl:   {_short(first.reimpl, 200)}")
+        if first.upstream is not None or first.reimpl is not None:
+            console.print(f"  upstream: {_short(first.upstream, 200)}")
+            console.print(f"  reimpl:   {_short(first.reimpl, 200)}")
         if first.message:
             console.print(f"  {escape(first.message)}")
-        d = Table(title=f"decision/token divergences ({len(result.divergences)}, first {max_rows})")
+    if result.divergences:
+        d = Table(title=f"differences in data-flow order ({len(result.divergences)} decision/token, "
+                        f"first {max_rows}; each tensor at its first bad step)")
         for col in ("step", "field", "upstream", "reimpl"):
             d.add_column(col, overflow="fold")
-        for dv in sorted(result.divergences, key=lambda x: (x.step is None, x.step or 0))[:max_rows]:
+        for dv in result.ordered()[:max_rows]:
             d.add_row(str(dv.step) if dv.step is not None else "-", escape(dv.field), _short(dv.upstream), _short(dv.reimpl))
         console.print(d)
     else:

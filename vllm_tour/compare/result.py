@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm_tour.compare import tolerance
+from vllm_tour.compare import flow, tolerance
 from vllm_tour.compare.diffs import Divergence
 from vllm_tour.compare.tolerance import TensorStat
 from vllm_tour.trace.logprobs import TOP_K
@@ -34,11 +34,15 @@ class CompareResult:
 
     @property
     def first(self) -> Divergence | None:
-        """The first divergence: earliest step; tokens only when every step agrees."""
-        stepped = [d for d in self.divergences if d.step is not None]
-        if stepped:
-            return min(stepped, key=lambda d: d.step)
-        return self.divergences[0] if self.divergences else None
+        """The headline: the earliest step with a difference, and in it the earliest in the data flow (the
+        decisions before the model, then layer by layer the first tensor out of tolerance, then the sampled
+        tokens: flow.py); the outputs' tokens only when every step agrees."""
+        items = self.ordered()
+        return items[0] if items else None
+
+    def ordered(self) -> list[Divergence]:
+        """Every divergence, and the first step of each out-of-tolerance tensor, in data-flow order."""
+        return flow.ordered(self.divergences, self.bad_tensors)
 
     @property
     def bad_tensors(self) -> list[TensorStat]:

@@ -1,6 +1,7 @@
 """Tensor-parallel diffs, per rank: weight shards (bitwise), every column-parallel layer's output shard and
-every collective's input and output (tolerance), and upstream's own invariant that every rank leaves an
-all-reduce with the same tensor.
+every collective's input and output (tolerance; the logits gather's input is each rank's logits shard, from its
+own hidden states), upstream's own invariant that every rank leaves an all-reduce with the same tensor, and the
+same of the reimpl's ranks' final hidden states.
 
 Upstream's side comes from probes/tp.py (TPShardsRecord, CollectiveRecord, captures tp.column_out.<layer> and
 tp.<op>_<in|out>.<layer> per rank); the reimpl's from reimpl/tp.py (model.shards per rank, group.recorded
@@ -70,7 +71,7 @@ def _rows(name: str, up_runner: dict | None, re_runner: dict | None):
         return None
     order = {rid: i for i, rid in enumerate(re_runner["req_ids"])}
     try:
-        if name.endswith(".logits"):
+        if name.endswith(".logits") or ".final_hidden." in name:  # one row per request that gives logits
             return [order[rid] for rid in up_runner["req_ids"]]
         qsl = re_runner["query_start_loc"]
         return [j for rid in up_runner["req_ids"] for j in range(qsl[order[rid]], qsl[order[rid] + 1])]
@@ -78,7 +79,7 @@ def _rows(name: str, up_runner: dict | None, re_runner: dict | None):
         return None
 
 
-WHAT = {"column_out": "column-parallel output shard", "all_reduce_in": "partial sum into the all-reduce",
+WHAT = {"final_hidden": "final hidden states, the LM head's input", "column_out": "column-parallel output shard", "all_reduce_in": "partial sum into the all-reduce",
         "all_reduce_out": "all-reduce result", "all_gather_in": "logits shard", "all_gather_out": "gathered logits",
         "gather_in": "logits shard", "gather_out": "gathered logits"}
 
@@ -101,6 +102,7 @@ def diff_collectives(run, up_steps: dict, re_steps: dict, re_tensors: dict, atol
 
     stats: list[TensorStat] = []
     first_bad: dict[int, Divergence] = {}
+    has_final = final_hidden_recorded(run)
     for step in run.steps:
         mine_all = re_tensors.get(step.index)
         if mine_all is None:
@@ -134,6 +136,8 @@ def diff_collectives(run, up_steps: dict, re_steps: dict, re_tensors: dict, atol
             # a gather (not all-gather) leaves nothing on the other ranks: upstream records no out there
             keys |= {f"rank{rank}/tp.all_gather_out.{c.layer}" for c in step.collectives.get(rank, [])
                      if c.op == "gather" and c.sha256_out is None}
+            if not has_final:  # a run of a pin without the probe (or recorded before it): harness notes it
+                keys |= {k for k in mine_all if k.startswith(f"rank{rank}/tp.final_hidden.")}
             for key in sorted(k for k in mine_all if k.startswith(f"rank{rank}/tp.") and k not in keys):
                 stats.append(TensorStat(key, step.index, list(mine_all[key].shape), float("inf"), float("inf"), atol,
                                         rtol, False, f"missing: upstream captured no {key.partition('/')[2]} on rank {rank}"))
@@ -141,10 +145,49 @@ def diff_collectives(run, up_steps: dict, re_steps: dict, re_tensors: dict, atol
     return stats, [first_bad[r] for r in sorted(first_bad)]
 
 
-def diff_tp(run_dir, model, up_steps: dict, re_steps: dict, re_tensors: dict, atol: float, rtol: float
-            ) -> tuple[list[Divergence], list[TensorStat]]:
+def final_hidden_recorded(run) -> bool:
+    """Whether upstream captured its ranks' final hidden states (probes/tp.py final_hidden: v0.32.0 on)."""
+    return any(c.name.startswith("tp.final_hidden.") for step in run.steps for c in step.captures)
+
+
+def final_hidden_disagreements(re_tensors: dict) -> list[Divergence]:
+    """The reimpl's ranks against each other: each leaves the model with the final hidden states of the first.
+
+    Upstream captures its final hidden states only at the rows that give logits (and on v0.32.0 only); it
+    guarantees this at every row: every rank leaves the last all-reduce with
+    the same bits (rank_disagreements checks upstream's), then applies the same replicated norm. Against
+    upstream itself each rank is judged by its final hidden states and its logits shard at the logits rows
+    (tp.final_hidden.model.norm, tp.all_gather_in.logits); this catches a rank gone wrong after the last
+    all-reduce at rows no logit reads."""
+    import torch
+
+    divs, seen = [], set()
+    for step in sorted(re_tensors):
+        mine = {int(k[4:].partition("/")[0]): t for k, t in re_tensors[step].items() if k.endswith("/final_hidden")}
+        if len(mine) < 2:
+            continue
+        first = min(mine)
+        for rank, t in sorted(mine.items()):
+            if rank in seen or torch.equal(t, mine[first]):
+                continue
+            seen.add(rank)  # the first step per rank: what follows is its consequence
+            delta = float((t.double() - mine[first].double()).abs().max()) if t.shape == mine[first].shape else float("inf")
+            divs.append(Divergence(
+                "tensor", step, f"rank{rank}/final_hidden", None, None,
+                message=f"rank {rank}, layer model.norm, tensor final_hidden (hidden states after the final norm), step "
+                        f"{step}: differs from rank {first}'s by up to {delta:.3g}; upstream's ranks leave the last "
+                        f"all-reduce with the same sum and apply the same norm"))
+    return divs
+
+
+def diff_tp(run_dir, model, up_steps: dict, re_steps: dict, re_tensors: dict, atol: float, rtol: float,
+            not_compared: list[dict] | None = None) -> tuple[list[Divergence], list[TensorStat]]:
     run = load_run(run_dir)
     divs = diff_shards(run, getattr(model, "shards", {}) if model is not None else {})
     divs += rank_disagreements(run)
     stats, bad = diff_collectives(run, up_steps, re_steps, re_tensors, atol, rtol)
-    return divs + bad, stats
+    if not_compared is not None and not final_hidden_recorded(run):
+        not_compared.append({"what": "each rank's final hidden states against upstream's (tp.final_hidden)",
+                             "why": "this upstream run captured none (the probe exists from pin v0.32.0 on); the ranks "
+                                    "are judged by their logits shards, and the reimpl's ranks must agree"})
+    return divs + bad + final_hidden_disagreements(re_tensors), stats

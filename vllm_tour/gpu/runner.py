@@ -35,7 +35,7 @@ IEEE fp32 instead of NVIDIA's default TF32. The trace's meta.env records it, and
 compare's tensor tolerance follows it (tolerance.tolerance_for: fp32 1e-5).
 
 Upstream's attention backend is the pin's (v0.21.0: TRITON_ATTN, passed as
-`attention_config` by upstream_run.engine_kwargs) or `--attention-backend`, which
+`attention_config` by engine.run.engine_kwargs) or `--attention-backend`, which
 sets each scenario's `engine.attention_backend`.
 TP scenarios (tp_*, `tensor_parallel_size = 2`) need the 2-GPU machine: upstream runs its mp executor, one
 worker per GPU over NCCL (NVLink SHARP off: NCCL_NVLS_ENABLE=0), and the rank-aware probes record each rank;
@@ -241,7 +241,7 @@ def _scenario(name: str):
 
 def trace_scenario(name: str, attention_backend: str | None):
     """The scenario the trace step runs: its variants, then --attention-backend unless a variant (+flash) set one
-    (neither: the pin's default, upstream_run.engine_kwargs)."""
+    (neither: the pin's default, engine.run.engine_kwargs)."""
     sc = _scenario(name)
     if attention_backend and sc.engine.attention_backend is None:
         sc.engine.attention_backend = attention_backend

@@ -12,7 +12,6 @@ from vllm_tour.errors import TourError
 from vllm_tour.lab.labdir import LabDir, read_lab
 
 MAX_NAMED = 4  # unwritten bodies named in the error line; the rest are counted
-MODEL_OUTPUT = "runner.sampled_token_ids"  # a decision field computed from the step's tensors
 VALUE_CHARS = 120  # of each side's value in the summary line (the report above shows them whole)
 
 
@@ -83,15 +82,12 @@ def first_difference(result) -> str | None:
     them), else the tokens."""
     if result.clean:
         return None
-    first = result.first
-    stepped = first if first is not None and first.step is not None else None
-    bad = min(result.bad_tensors, key=lambda t: t.step, default=None)
-    if stepped is not None and (bad is None or stepped.step < bad.step
-                                or (stepped.step == bad.step and not stepped.field.startswith(MODEL_OUTPUT))):
-        return (f"at step {stepped.step}, field {stepped.field}: upstream {_short(stepped.upstream)}, "
-                f"yours {_short(stepped.reimpl)}")
+    first = result.first  # in data-flow order (compare/flow.py): the cause before its symptoms
+    bad = next((t for t in result.bad_tensors if t.name == first.field and t.step == first.step), None)
     if bad is not None:
         return f"at step {bad.step}, tensor {bad.name}: max |Δ| {bad.max_abs:.3g} > tolerance (atol {bad.atol:g})"
+    if first.step is not None:
+        return f"at step {first.step}, field {first.field}: upstream {_short(first.upstream)}, yours {_short(first.reimpl)}"
     return f"in {first.field}: upstream {_short(first.upstream)}, yours {_short(first.reimpl)}"
 
 

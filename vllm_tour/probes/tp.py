@@ -7,6 +7,7 @@
   logits). The CPU SHM all-reduce sums *in place*, so the input is cloned before the call.
 With `--capture tp` the tensors go into the step's capture file as tp.<op>_in.<layer> / tp.<op>_out.<layer>
 and the shards into captures/weights.rank<r>.safetensors; so does, per step and column-parallel layer,
+the rank's final hidden states at the logits rows as tp.final_hidden.model.norm (v0.32.0), and
 the rank's un-gathered output shard as tp.column_out.<layer> (qkv_proj: [q_r; k_r'; v_r'], gate_up_proj:
 [gate_r; up_r]; the LM head is vocab parallel, no ColumnParallelLinear: its shard is the gather's input).
 No record of its own: no collective runs there, the capture is the whole story.
@@ -166,6 +167,24 @@ gather_logits = Probe(
 )
 
 
+def _final_hidden_before(self, hidden_states, *a, **kw):
+    if _world["size"] > 1:  # this rank's own copy, before its LM head shard and the gather
+        R.keep_capture(f"{CAPTURE}.final_hidden.model.norm", hidden_states)
+    return None
+
+
+final_hidden = Probe(
+    name="tp.final_hidden",
+    target="vllm.model_executor.layers.logits_processor.LogitsProcessor._get_logits",
+    params=("self", "hidden_states"),
+    records="with --capture tp: this rank's final hidden states at the rows that give logits (the LM head's input)",
+    # checked against v0.32.0's source only (v0.21.0's is not on this machine): not installed on other pins,
+    # where compare says the final hidden states were not compared
+    pins=("v0.32.0",), own_pins_only=True,
+    before=_final_hidden_before, role="worker", capture_only=True, multi_rank=True,
+)
+
+
 def _column_after(token, result, self, input_, *a, **kw):
     if _world["size"] == 1 or self.gather_output:
         return  # one rank, or the gathered whole: no rank's own shard to keep
@@ -181,4 +200,4 @@ column_parallel = Probe(
     pins=PINS, after=_column_after, role="worker", capture_only=True, multi_rank=True,
 )
 
-PROBES = [weights_loaded, column_parallel, row_parallel, vocab_embedding, all_reduce, gather_logits]
+PROBES = [weights_loaded, column_parallel, row_parallel, vocab_embedding, all_reduce, final_hidden, gather_logits]
