@@ -343,7 +343,7 @@ def serve(scenario: Scenario, port: int | None, out: Path | None, extra: list[st
 
     sp = plan_serve(scenario, port, out, extra)
     where = _display(sp.run_dir)
-    console.print(f"starting upstream's OpenAI server (pin {sp.plan.pin}, {scenario.model}); its log: {where}/server.log",
+    console.print(f"starting upstream's OpenAI server (pin {sp.plan.pin}, {scenario.model}); its log: {where}/server.log", soft_wrap=True,
                   highlight=False)
     t0 = time.monotonic()
 
@@ -360,7 +360,7 @@ def serve(scenario: Scenario, port: int | None, out: Path | None, extra: list[st
     aborts = [a for s in run.steps for a in s.aborts]
     api_ids = {r.api_id for r in served}
     console.print(f"[bold]stopped[/] after {time.monotonic() - t0:.0f} s: {len(api_ids)} API request(s), "
-                  f"{len(served)} engine request(s), {len(run.steps)} steps, {len(aborts)} abort(s)", highlight=False)
+                  f"{len(served)} engine request(s), {len(run.steps)} steps, {len(aborts)} abort(s)", highlight=False, soft_wrap=True)
     if run.meta.status != "ok":
         console.print("  [bold red]" + escape(run.meta.error or "failed") + "[/]")
     console.print(f"  see it:  vllm-tour show {where}", highlight=False)
