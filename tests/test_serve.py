@@ -174,7 +174,9 @@ def test_streamed_text_equals_the_recorded_tokens(served):
         assert rec.finish_reason == chat["finish"]
         assert engine_tokens[rec.req_id] == rec.token_ids  # the engine's tokens reached the front end unchanged
         assert rec.text == chat["text"]  # and the client got exactly their text
-        assert tok.decode(rec.token_ids, skip_special_tokens=True) == chat["text"]
+        # The same text from the ids alone, but for a last incomplete UTF-8 character (random weights emit byte
+        # tokens): upstream's incremental detokenizer holds such a tail back, a one-shot decode shows it as U+FFFD.
+        assert tok.decode(rec.token_ids, skip_special_tokens=True).rstrip("\ufffd") == chat["text"].rstrip("\ufffd")
 
 
 def test_client_disconnect_is_an_abort_at_a_step_with_its_blocks_freed(served):
@@ -222,6 +224,9 @@ def test_serve_bad_input_is_one_line(cli, tmp_path, args, message):
 
 def test_serve_reports_an_option_upstream_rejects(cli, tmp_path):
     # Upstream's own parser refuses it (~15 s: the server imports vLLM first); nothing is left behind.
-    r = cli("serve", "--out", tmp_path / "run", "--", "--no-such-option", "1", timeout=START_S)
+    r = cli("serve", "--out", tmp_path / "run", "--", "--no-such-option", timeout=START_S)
     assert r.returncode == 2, r.stdout + r.stderr
-    assert "unrecognized arguments: --no-such-option 1" in r.stderr and not (tmp_path / "run").exists()
+    # the last line (importing vLLM may print its own notices before it)
+    assert r.stderr.strip().splitlines()[-1] == ("error: upstream's server exited (2) before it was ready: "
+                                                 "unrecognized arguments: --no-such-option")
+    assert not (tmp_path / "run").exists()

@@ -141,7 +141,7 @@ def plan_serve(scenario: Scenario, port: int | None, out: Path | None, extra: li
     """Check everything that can be checked before a server starts; TourError on the first problem."""
     from vllm_tour.engine.run import new_run_dir, plan_run
     from vllm_tour.probes.install import check_probes
-    from vllm_tour.probes.run_env import BACKEND_ENV, PIN_ENV, TP_ENV
+    from vllm_tour.probes.run_env import BACKEND_ENV, PIN_ENV, SERVE_ENV, TP_ENV
 
     _check_extra(extra)
     if port is None:
@@ -150,7 +150,7 @@ def plan_serve(scenario: Scenario, port: int | None, out: Path | None, extra: li
     if out is not None and out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise TourError(f"--out {out} exists and is not an empty directory: give a new one")
     plan = plan_run(scenario)  # pin, model (an unknown one fails here), engine arguments
-    check_probes(plan.pin, backend=plan.backend)
+    check_probes(plan.pin, backend=plan.backend, serve=True)
     run_dir = Path(out) if out is not None else new_run_dir(scenario.name)
     check_dir(run_dir, "run directory")
     argv = [*ENTRY, *server_args(plan.engine_args), "--host", HOST, "--port", str(port),
@@ -158,8 +158,9 @@ def plan_serve(scenario: Scenario, port: int | None, out: Path | None, extra: li
     if "--chat-template" not in {a.split("=", 1)[0] for a in extra} and not _has_chat_template(plan.model.path):
         argv += ["--chat-template", str(CHATML)]  # upstream answers chat completions 400 without one
     argv += extra  # last: upstream's argparse lets them override ours (--max-num-seqs 4, ...)
+    # What run_upstream sets for its engine, and SERVE_ENV: the front-end probes (probes/server.py) go in too.
     env = {**os.environ, PIN_ENV: plan.pin, TP_ENV: str(scenario.engine.tensor_parallel_size),
-           RUN_DIR_ENV: "", CAPTURE_ENV: "", CAPTURE_STEPS_ENV: ""}
+           RUN_DIR_ENV: "", CAPTURE_ENV: "", CAPTURE_STEPS_ENV: "", SERVE_ENV: "1"}
     if scenario.engine.attention_backend:
         env[BACKEND_ENV] = scenario.engine.attention_backend
     return ServePlan(plan=plan, run_dir=run_dir, port=port, argv=argv, env=env, recorded_args=redact(argv))

@@ -50,6 +50,9 @@ class Probe:
     # Records only what crosses tensor-parallel ranks: left out of a run known to be TP=1, where it
     # would cost a wrapper call per layer per step and record nothing.
     multi_rank: bool = False
+    # Records what only a server run has (the OpenAI front end's requests): installed when the run is a
+    # `serve` (run_env.SERVE_ENV), left out of offline traces, whose LLMEngine runs the same front-end code.
+    serve_only: bool = False
 
 
 @dataclass

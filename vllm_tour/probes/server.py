@@ -10,7 +10,8 @@ sees every output the front end hands to a request's stream, the last one with t
 client gets (an abort's too: OutputProcessor.abort_requests makes that output). The ids, times and tokens
 of a request are kept here while it runs and written as one ServerRequestRecord when it ends.
 
-Checked on v0.32.0 only (own_pins_only): other pins run without them.
+Checked on v0.32.0 only (own_pins_only): other pins run without them. The front-end probes are serve_only:
+an offline trace's LLMEngine runs the same OutputProcessor, and its runs stay as they were.
 """
 
 from __future__ import annotations
@@ -115,6 +116,7 @@ add_request = Probe(
     before=_add_before,
     role="frontend",
     own_pins_only=True,
+    serve_only=True,
 )
 
 
@@ -155,6 +157,7 @@ output = Probe(
     before=_output_before,
     role="frontend",
     own_pins_only=True,
+    serve_only=True,
 )
 
 PROBES = [finish_requests, add_request, output]
