@@ -254,27 +254,31 @@ def serve(
 ):
     """Run upstream's own OpenAI-compatible server, traced: every engine step of every client request is recorded.
 
-    It is the server `vllm serve` runs (python -m vllm.entrypoints.openai.api_server), with the same engine
-    arguments a `trace` plans (block size 32, float32, the KV pool), on 127.0.0.1. Point any OpenAI client at
-    the printed URL; Ctrl-C stops the server and completes the run (meta.json, one records file per vLLM
-    process, outputs.json, server.log). Beside the steps, the run holds each request as the server saw it:
-    API id (chatcmpl-..., cmpl-...), engine request ids (n > 1: one per choice), arrival and first-token
-    times, finish reason, and the step at which the engine dropped an aborted one (a client that hung up).
-    The tiny models have no chat template: serve gives upstream a ChatML one so chat completions work.
+    The server is the one `vllm serve` runs (python -m vllm.entrypoints.openai.api_server)
+    with the engine arguments a `trace` plans (block size 32, float32, the KV pool), on
+    127.0.0.1. Point any OpenAI client at the printed URL; Ctrl-C stops the server and
+    completes the run: meta.json, one records.<pid>.jsonl per vLLM process, outputs.json,
+    server.log (upstream's log).
+
+    Beside the steps, the run holds each request as the server saw it: the API id
+    (chatcmpl-..., cmpl-...), its engine requests (n > 1: one per choice), arrival and
+    first-token times, the finish reason, and for a client that hung up, the step at
+    which the engine dropped the request and the blocks it freed. The tiny models have no
+    chat template: serve gives upstream a ChatML one, so chat completions work.
 
       vllm-tour serve
 
       vllm-tour serve --port 8000 --num-blocks 16 -- --max-num-seqs 4
 
-    Then, e.g.: curl http://127.0.0.1:PORT/v1/completions -H 'Content-Type: application/json'
-    -d '{"model": "tiny-qwen3", "prompt": "hello", "max_tokens": 8}'; after Ctrl-C: vllm-tour show latest
+      curl http://127.0.0.1:PORT/v1/completions -H 'Content-Type: application/json' -d '{"model": "tiny-qwen3", "prompt": "hello", "max_tokens": 8}'
+
+      vllm-tour show latest          # after Ctrl-C
     """
     from vllm_tour.engine import serve as command
-    from vllm_tour.engine.trace_command import build_scenario
 
     engine = dict(num_blocks=num_blocks, kv_cache_memory_bytes=kv_bytes, max_num_batched_tokens=max_num_batched_tokens,
                   max_num_seqs=max_num_seqs, max_model_len=max_model_len, enable_prefix_caching=prefix_caching)
-    sc = command.serve_scenario(model, pin, engine, build_scenario)
+    sc = command.serve_scenario(model, pin, engine)
     command.serve(sc, port, out, list(upstream_args or []), console)
 
 

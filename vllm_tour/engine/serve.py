@@ -325,12 +325,14 @@ def run_server(sp: ServePlan, on_ready, poll_s: float = 0.5):
         signal.signal(signal.SIGTERM, old)
 
 
-def serve_scenario(model: str, pin: str | None, engine: dict, build_scenario) -> Scenario:
+def serve_scenario(model: str, pin: str | None, engine: dict) -> Scenario:
     """The scenario a server is planned from: the model and engine options, as `trace` builds them.
 
     plan_run checks a scenario's prompts against the model, and a scenario holds at least one request; a
     server's requests come from its clients, so this one carries a single placeholder prompt that is never
     sent (meta.json records the served requests instead)."""
+    from vllm_tour.engine.trace_command import build_scenario
+
     sc = build_scenario(None, ["serve"], None, model, pin, None, None, None, False, engine)
     name = "serve-" + re.sub(r"[^A-Za-z0-9_.-]+", "-", Path(model).name)
     return sc.model_copy(update={"name": name})
