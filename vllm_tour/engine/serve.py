@@ -281,7 +281,7 @@ class Server:
 
 
 class _Stop(Exception):
-    """SIGTERM, turned into an exception like Ctrl-C's KeyboardInterrupt."""
+    """SIGINT (Ctrl-C) or SIGTERM: stop the server."""
 
 
 def run_server(sp: ServePlan, on_ready, poll_s: float = 0.5):
@@ -291,10 +291,12 @@ def run_server(sp: ServePlan, on_ready, poll_s: float = 0.5):
     A server that never gets ready leaves nothing behind (TourError); one that ends by itself after it was
     ready leaves a run marked failed, with upstream's error line."""
 
-    def on_term(signum, frame):
+    def on_signal(signum, frame):
         raise _Stop()
 
-    old = signal.signal(signal.SIGTERM, on_term)
+    # Both set here, SIGINT too: a shell starts a background command (`vllm-tour serve &`) with SIGINT ignored,
+    # and Python then never turns it into KeyboardInterrupt; `kill -INT` must stop the server all the same.
+    old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     server = None
     try:
         server = Server(sp)
@@ -312,7 +314,10 @@ def run_server(sp: ServePlan, on_ready, poll_s: float = 0.5):
                 time.sleep(poll_s)
         except (KeyboardInterrupt, _Stop):
             pass
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # stopping already: the stop is bounded (STOP_TIMEOUT_S + 20 s)
+        # Stopping already, and the stop is bounded (STOP_TIMEOUT_S + 20 s): a second signal would only cut short
+        # the run's last writes.
+        for sig in old:
+            signal.signal(sig, signal.SIG_IGN)
         exited_alone = server.proc.poll() is not None
         why = server.error_line() if exited_alone else None
         rc = server.stop()
@@ -322,7 +327,8 @@ def run_server(sp: ServePlan, on_ready, poll_s: float = 0.5):
             run = server.finish("ok")
         return server, run
     finally:
-        signal.signal(signal.SIGTERM, old)
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
 
 
 def serve_scenario(model: str, pin: str | None, engine: dict) -> Scenario:
