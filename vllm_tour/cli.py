@@ -287,6 +287,51 @@ def trace(
 
 
 @app.command()
+def serve(
+    upstream_args: list[str] = typer.Argument(None, metavar="[-- UPSTREAM_ARGS...]", help="Options for upstream's server, after `--` (e.g. -- --max-num-seqs 4); they override the planned ones."),
+    model: str = typer.Option("tiny-qwen3", help="tiny-qwen3 (default, generated offline), tiny-qwen3-moe, or a local/HF-cache name like Qwen3-0.6B. Clients ask for it by this name."),
+    port: Optional[int] = typer.Option(None, help="TCP port on 127.0.0.1 (default: a free one). The server listens on loopback only."),
+    out: Optional[Path] = typer.Option(None, help="Run directory (default traces/runs/<stamp>-serve-<model>); must be new or empty."),
+    max_model_len: Optional[int] = typer.Option(None, help="Longest sequence (default 1024)."),
+    kv_bytes: Optional[int] = typer.Option(None, help="KV cache size in bytes (default 64 MiB), when --num-blocks is not given."),
+    num_blocks: Optional[int] = typer.Option(None, help="Usable KV blocks. Small (e.g. 8) makes concurrent clients preempt each other."),
+    max_num_seqs: Optional[int] = typer.Option(None, help="Most requests running at once (the rest wait)."),
+    max_num_batched_tokens: Optional[int] = typer.Option(None, help="Token budget per step. Small (e.g. 32) forces chunked prefill."),
+    prefix_caching: Optional[bool] = typer.Option(None, "--prefix-caching/--no-prefix-caching", help="Automatic prefix caching (default on).", metavar=""),
+    pin: Optional[str] = typer.Option(None, help="Pin tag (default: the pin of the installed vLLM)."),
+    level: str = typer.Option("blocks", "--level", help="What to record: steps, blocks (default) or full (see trace --help)."),
+):
+    """Run upstream's own OpenAI-compatible server, traced: every engine step of every client request is recorded.
+
+    The server is the one `vllm serve` runs (python -m vllm.entrypoints.openai.api_server)
+    with the engine arguments a `trace` plans (block size 32, float32, the KV pool), on
+    127.0.0.1. Point any OpenAI client at the printed URL; Ctrl-C stops the server and
+    completes the run: meta.json, one records.<pid>.jsonl per vLLM process, outputs.json,
+    server.log (upstream's log).
+
+    Beside the steps, the run holds each request as the server saw it: the API id
+    (chatcmpl-..., cmpl-...), its engine requests (n > 1: one per choice), arrival and
+    first-token times, the finish reason, and for a client that hung up, the step at
+    which the engine dropped the request and the blocks it freed. The tiny models have no
+    chat template: serve gives upstream a ChatML one, so chat completions work.
+
+      vllm-tour serve
+
+      vllm-tour serve --port 8000 --num-blocks 16 -- --max-num-seqs 4
+
+      curl http://127.0.0.1:PORT/v1/completions -H 'Content-Type: application/json' -d '{"model": "tiny-qwen3", "prompt": "hello", "max_tokens": 8}'
+
+      vllm-tour show latest          # after Ctrl-C
+    """
+    from vllm_tour.engine import serve as command
+
+    engine = dict(num_blocks=num_blocks, kv_cache_memory_bytes=kv_bytes, max_num_batched_tokens=max_num_batched_tokens,
+                  max_num_seqs=max_num_seqs, max_model_len=max_model_len, enable_prefix_caching=prefix_caching)
+    sc = command.serve_scenario(model, pin, engine)
+    command.serve(sc, port, out, list(upstream_args or []), console, level)
+
+
+@app.command()
 def probes(
     pin: Optional[str] = typer.Option(None, "--pin", help="Pin tag to check the targets on (default: the pin of the installed vLLM)."),
     platform: Optional[str] = typer.Option(None, "--platform", help="A platform plugin (maca): check its sources (--source) "

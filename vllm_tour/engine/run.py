@@ -60,9 +60,11 @@ _SECRET = re.compile(r"KEY|TOKEN|SECRET|PASSW|AUTH|CREDENTIAL", re.I)
 _SECRET_ARG = re.compile(r"hf_token|api_key|secret|passw|credential", re.I)  # EngineArgs names (token budgets are fine)
 
 
-def env_allow_list() -> dict[str, str]:
-    """Environment worth recording: engine knobs only, never anything secret-looking."""
-    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(_ENV_PREFIXES) and not _SECRET.search(k)}
+def env_allow_list(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment worth recording (this process's, or `environ`: a child's): engine knobs only, never
+    anything secret-looking."""
+    environ = os.environ if environ is None else environ
+    return {k: v for k, v in sorted(environ.items()) if k.startswith(_ENV_PREFIXES) and not _SECRET.search(k)}
 
 
 def platform_info() -> dict[str, str]:

@@ -53,6 +53,9 @@ class Probe:
     multi_rank: bool = False
     # The lowest trace level that keeps what it records (trace/levels.py): below it, it is not installed.
     level: str = "full"
+    # Records what only a server run has (the OpenAI front end's requests): installed when the run is a
+    # `serve` (run_env.SERVE_ENV), left out of offline traces, whose LLMEngine runs the same front-end code.
+    serve_only: bool = False
 
 
 @dataclass

@@ -13,15 +13,15 @@ import importlib.util
 import os
 
 from vllm_tour.errors import TourError
-from vllm_tour.probes import attention, capture, kv, maca, moe, runner, scheduler, tp
+from vllm_tour.probes import attention, capture, kv, maca, moe, runner, scheduler, server, tp
 from vllm_tour.probes.base import Probe, Resolved, install, resolve
-from vllm_tour.probes.run_env import PLATFORM_ENV, current_backend, current_level, current_pin, current_tp_size
+from vllm_tour.probes.run_env import PLATFORM_ENV, current_backend, current_level, current_pin, current_tp_size, serving
 from vllm_tour.trace import levels
 from vllm_tour.trace.writer import RECORDER
 
 # Order matters only for reading: scheduler side, then worker side.
 PROBES: list[Probe] = [*scheduler.PROBES, *kv.PROBES, *runner.PROBES, *attention.PROBES, *capture.PROBES, *tp.PROBES,
-                      *moe.PROBES, *maca.PROBES]
+                      *moe.PROBES, *maca.PROBES, *server.PROBES]
 PLATFORM_PACKAGES = {maca.PLATFORM: maca.PACKAGE}  # platform plugin -> the package it installs
 
 
@@ -35,10 +35,12 @@ def current_platform() -> str | None:
 
 
 def probes_for(pin: str, backend: str | None = None, probes: list[Probe] | None = None,
-               platform: str | None = None, tp_size: int | None = None, level: str = "full") -> list[Probe]:
+               platform: str | None = None, tp_size: int | None = None, level: str = "full",
+               serve: bool | None = None) -> list[Probe]:
     """The declarations that apply on `pin` with attention backend `backend` (default: the pin's),
     in a run of `tp_size` ranks (None: not known; 1 leaves the multi-rank probes out), recording at
-    trace level `level` (a probe whose records the level does not keep is left out).
+    trace level `level` (a probe whose records the level does not keep is left out), served or not
+    (`serve` False leaves the serve-only probes out; None: not known, all of them).
 
     Probes without a backend apply on every pin (resolve() then refuses a pin they
     were not checked against), except `own_pins_only` ones, which apply on their pins only.
@@ -55,7 +57,7 @@ def probes_for(pin: str, backend: str | None = None, probes: list[Probe] | None 
         raise TourError(f"pin {pin} has probes for the attention backends {', '.join(profile.attention_backends)} "
                         f"(its profile in pins/{pin}.toml), not {backend}")
     probes = [p for p in probes if (not p.own_pins_only or pin in p.pins) and not (p.multi_rank and tp_size == 1)
-              and levels.has(level, p.level)]
+              and levels.has(level, p.level) and not (p.serve_only and serve is False)]
     out = [p for p in probes if p.backend is None or (p.backend == backend and pin in p.pins and p.platform == platform)]
     chosen = {p.name for p in out}
     for name in dict.fromkeys(p.name for p in probes if p.backend is not None and p.name not in chosen):
@@ -67,16 +69,17 @@ def probes_for(pin: str, backend: str | None = None, probes: list[Probe] | None 
 
 
 def check_probes(pin: str, probes: list[Probe] | None = None, backend: str | None = None,
-                 platform: str | None = None, tp_size: int | None = None, level: str = "full") -> list[Resolved]:
+                 platform: str | None = None, tp_size: int | None = None, level: str = "full",
+                 serve: bool | None = None) -> list[Resolved]:
     """Resolve and signature-check every probe on `pin`; TourError names the first missing target."""
-    return [resolve(p, pin) for p in probes_for(pin, backend, probes, platform, tp_size, level)]
+    return [resolve(p, pin) for p in probes_for(pin, backend, probes, platform, tp_size, level, serve)]
 
 
 def install_all(pin: str | None = None, probes: list[Probe] | None = None, backend: str | None = None) -> int:
     """Resolve, check and install the probes; switch the recorder on from the environment."""
     pin = pin or current_pin()
     resolved = check_probes(pin, probes, backend or current_backend(pin), current_platform(), current_tp_size(),
-                            current_level())
+                            current_level(), serving())
     n = install(resolved, RECORDER)
     RECORDER.activate_from_env()
     return n

@@ -14,6 +14,7 @@ PIN_ENV = "VLLM_TOUR_PIN"
 BACKEND_ENV = "VLLM_TOUR_ATTN_BACKEND"  # set by run_upstream: the attention backend the engine runs
 PLATFORM_ENV = "VLLM_TOUR_PLATFORM"  # a platform plugin's name (maca), overriding what is installed
 TP_ENV = "VLLM_TOUR_TP_SIZE"  # set by run_upstream: the run's tensor_parallel_size (unset: not known)
+SERVE_ENV = "VLLM_TOUR_SERVE"  # "1" in a `vllm-tour serve` run: the front-end probes are installed too
 
 def current_pin() -> str:
     from vllm_tour.upstream.pins import DEFAULT_PIN
@@ -33,3 +34,7 @@ def current_level() -> str:
 
 def current_tp_size() -> int | None:
     return int(os.environ[TP_ENV]) if os.environ.get(TP_ENV) else None
+
+
+def serving() -> bool:
+    return os.environ.get(SERVE_ENV) == "1"

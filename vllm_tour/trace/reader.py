@@ -18,6 +18,7 @@ from vllm_tour.errors import TourError
 from vllm_tour.paths import GOLDEN_DIR, RUNS_DIR
 from vllm_tour.trace.schema import (
     SCHEMA_VERSION,
+    AbortRecord,
     AttentionRecord,
     CaptureRecord,
     CollectiveRecord,
@@ -30,6 +31,7 @@ from vllm_tour.trace.schema import (
     RunMeta,
     RunnerRecord,
     SchedulerRecord,
+    ServerRequestRecord,
     TPShardsRecord,
 )
 from vllm_tour.trace.writer import LATEST_NAME
@@ -48,6 +50,7 @@ class Step:
     collectives: dict[int, list[CollectiveRecord]] = field(default_factory=dict)  # by TP rank, in call order
     errors: list[ProbeErrorRecord] = field(default_factory=list)
     moe: dict[int, list[MoERecord]] = field(default_factory=dict)  # by TP/EP rank, in layer order
+    aborts: list[AbortRecord] = field(default_factory=list)  # requests the engine dropped during this step
 
 
 @dataclass
@@ -60,6 +63,8 @@ class Run:
     warnings: list[str]
     tp_shards: dict[int, TPShardsRecord] = field(default_factory=dict)  # by TP rank (TP > 1 runs)
     replaced_targets: list[ProbeTargetRecord] = field(default_factory=list)  # probe targets another plugin replaced
+    # `serve` runs: each engine request as the OpenAI server's front end saw it, in the order they ended
+    server_requests: list[ServerRequestRecord] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -281,8 +286,12 @@ def load_run(path: str | Path) -> Run:
     errors: list[ProbeErrorRecord] = []
     tp_shards: dict[int, TPShardsRecord] = {}
     replaced: list[ProbeTargetRecord] = []
+    served: list[ServerRequestRecord] = []
     for f in sorted(path.glob("records.*.jsonl")):
         for rec in read_records(f, warnings):
+            if isinstance(rec, ServerRequestRecord):  # the front end counts no steps
+                served.append(rec)
+                continue
             s = steps.setdefault(rec.step, Step(rec.step))
             if isinstance(rec, SchedulerRecord):
                 s.scheduler = rec
@@ -301,6 +310,8 @@ def load_run(path: str | Path) -> Run:
             elif isinstance(rec, ProbeErrorRecord):
                 s.errors.append(rec)
                 errors.append(rec)
+            elif isinstance(rec, AbortRecord):
+                s.aborts.append(rec)
             elif isinstance(rec, MoERecord):
                 s.moe.setdefault(rec.proc.rank, []).append(rec)
             elif isinstance(rec, ProbeTargetRecord):
@@ -311,7 +322,8 @@ def load_run(path: str | Path) -> Run:
         warnings.append("no trace records: the probes did not record (was the vllm-tour plugin installed?)")
     ordered = [steps[k] for k in sorted(steps)]
     # Step 0 only holds probe errors raised before the first schedule(): keep them, but not as a step.
-    ordered = [s for s in ordered if s.index > 0 or s.scheduler or s.runner]
+    ordered = [s for s in ordered if s.index > 0 or s.scheduler or s.runner or s.aborts]
+    served.sort(key=lambda r: r.finished_time)
     warnings += _missing_rank_steps(ordered)
     return Run(path=path, meta=meta, outputs=outputs, steps=ordered, errors=errors, warnings=warnings, tp_shards=tp_shards,
-               replaced_targets=replaced)
+               replaced_targets=replaced, server_requests=served)

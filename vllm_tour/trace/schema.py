@@ -287,6 +287,50 @@ class ProbeTargetRecord(_Record):
     when: Literal["before_install", "after_install"]
 
 
+# --- the OpenAI server (`vllm-tour serve`) -------------------------------------------------
+
+
+class AbortRecord(_Record):
+    """A request the EngineCore dropped before it finished on its own (upstream's Scheduler.finish_requests
+    with FINISHED_ABORTED): a client that disconnected, a stop string the front end found, a shutdown.
+
+    `step` is the engine step during which it was dropped: upstream handles aborts between a step's
+    schedule() and its output update (or while idle, after the last step), so the request shows in the
+    scheduler's `finished` and its blocks in `kv.freed` of the next step."""
+
+    kind: Literal["abort"] = "abort"
+    time: float  # wall clock when the scheduler dropped it
+    req_id: str  # user id (upstream's "-<8 hex>" suffix stripped), as in the scheduler records
+    status_before: str  # upstream RequestStatus it had: RUNNING, WAITING, PREEMPTED, ...
+    num_computed_tokens: int
+    num_output_tokens: int
+    block_ids: list[int]  # its block table (first KV-cache group) when dropped
+    freed_block_ids: list[int]  # of those, the blocks that went back to the free list (others are shared or cached)
+
+
+class ServerRequestRecord(_Record):
+    """One engine request as the OpenAI server's front end saw it, written when it finished or was aborted
+    (role "frontend"; `step` is 0: the front end does not count engine steps). A chat or completion
+    request with n > 1 is n engine requests ("<index>_<parent id>"), one record each."""
+
+    kind: Literal["server_request"] = "server_request"
+    api_id: str  # the id the client got: chatcmpl-..., cmpl-...
+    req_id: str  # user id of the engine request, as in the scheduler records
+    external_id: str  # what the server passed to the engine (completions: "<api id>-<prompt index>")
+    parent_id: str | None = None  # n > 1: the parent's user id; None for a single request
+    index: int = 0  # n > 1: which of the n choices
+    n: int = 1
+    arrival_time: float  # wall clock when the front end made the engine request
+    first_token_time: float | None  # wall clock when its first token reached the front end (None: none did)
+    finished_time: float
+    finish_reason: str  # as the client saw it: stop, length, abort, error, ...
+    stop_reason: str | int | None = None  # the stop string or token id that ended it
+    max_tokens: int | None = None
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # output tokens the front end received from the engine
+    text: str  # their text, as the front end detokenized it
+
+
 Record = Annotated[
     Union[
         SchedulerRecord,
@@ -299,6 +343,8 @@ Record = Annotated[
         ProbeErrorRecord,
         MoERecord,
         ProbeTargetRecord,
+        AbortRecord,
+        ServerRequestRecord,
     ],
     Field(discriminator="kind"),
 ]

@@ -84,6 +84,8 @@ def _events_cell(step: Step, run: Run, finishing: list[str] = ()) -> Text:
             t.append(f"PREEMPT {p.req_id} ", style="bold red")
     for f in finishing:
         t.append(f"finish {f} ", style="bold")
+    for a in step.aborts:
+        t.append(f"ABORT {a.req_id} ", style="bold magenta")
     if step.kv:
         for h in step.kv.prefix_hits:
             t.append(f"hit {h.req_id}:{h.num_hit_tokens}t ", style="bold green")
@@ -174,6 +176,12 @@ def step_detail(run: Run, step: Step) -> Group:
             parts.append(Panel(body, title="preemption", expand=False))
         if sch.finished:
             parts.append(Text(f"finished before this step (blocks freed now): {', '.join(sch.finished)}", style="dim"))
+    for a in step.aborts:
+        body = Text.assemble(("aborted " + a.req_id, "bold magenta"),
+                             f" ({a.status_before}, {a.num_computed_tokens} computed tokens, {a.num_output_tokens} output): "
+                             f"dropped after this step's schedule; blocks {a.block_ids}, freed {a.freed_block_ids} "
+                             "(in the next step's KV record)")
+        parts.append(Panel(body, title="abort", expand=False))
     parts += _not_recorded(run, "blocks", "block tables, KV pool, prefix-cache hits")
     if step.kv:
         parts.append(block_grid(run, step))
@@ -321,6 +329,19 @@ def _not_recorded(run: Run, needed: str, what: str) -> list[Text]:
     return [Text(line, style="yellow")] if line else []
 
 
+def server_table(run: Run) -> Table:
+    """`serve` runs: each engine request as the server's front end saw it (times from its arrival there)."""
+    t = Table(title="server requests (front end)", title_justify="left")
+    for c in ("API id", "engine request", "first token", "total", "finish", "prompt", "generated"):
+        t.add_column(c, overflow="fold")
+    for r in run.server_requests:
+        first = f"{(r.first_token_time - r.arrival_time) * 1000:.0f} ms" if r.first_token_time else "-"
+        t.add_row(r.api_id, r.req_id + (f" ({r.index + 1}/{r.n})" if r.n > 1 else ""), first,
+                  f"{(r.finished_time - r.arrival_time) * 1000:.0f} ms", r.finish_reason, str(len(r.prompt_token_ids)),
+                  str(len(r.token_ids)))
+    return t
+
+
 def show(run: Run, console: Console, step: int | None = None, request: str | None = None) -> None:
     console.print(header(run))
     for w in run.warnings:
@@ -347,6 +368,8 @@ def show(run: Run, console: Console, step: int | None = None, request: str | Non
         if experts is not None:
             console.print(experts)
         console.print(outputs_table(run))
+        if run.server_requests:
+            console.print(server_table(run))
     if run.errors:
         e = run.errors[0]
         console.print(f"[bold red]{len(run.errors)} probe error(s)[/]: " + escape(f"first in {e.probe} at step {e.step}: {e.error}"))

@@ -1,0 +1,234 @@
+"""`vllm-tour serve`: upstream's own OpenAI server on the tiny model, traced, under the official `openai` client.
+
+One server per module (it takes ~30 s to start on 2 idle cores, longer on a busy machine): 8 concurrent
+streaming chat completions, a completion with n=2, a stream the client closes after 3 chunks, then a last
+small request (so a step runs after the abort and its freed blocks show in that step's KV record); then
+SIGINT, as Ctrl-C sends it. The tests read the run it leaves.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+
+import pytest
+
+from vllm_tour.paths import REPO_ROOT
+from vllm_tour.trace.reader import load_run
+
+openai = pytest.importorskip("openai")  # a test extra (pyproject [test]), not a runtime dependency
+
+START_S = 600  # a shared 2-core machine has taken ~100 s
+MODEL = "tiny-qwen3"
+
+
+def _lines(proc) -> queue.Queue:
+    """The server command's output lines, read on a thread so the test can wait for one with a deadline."""
+    q: queue.Queue = queue.Queue()
+
+    def pump():
+        for line in proc.stdout:
+            q.put(line)
+        q.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    return q
+
+
+def _wait_for(q: queue.Queue, pattern: str, seen: list[str], timeout: float) -> re.Match:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            line = q.get(timeout=max(0.1, deadline - time.monotonic()))
+        except queue.Empty:
+            break
+        if line is None:
+            break
+        seen.append(line)
+        m = re.search(pattern, line)
+        if m:
+            return m
+    raise AssertionError(f"no line matching {pattern!r} within {timeout} s; output:\n{''.join(seen)}")
+
+
+def _chat_stream(client, i: int) -> dict:
+    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"question number {i}"}],
+                                            max_tokens=12, temperature=0, stream=True)
+    api_id, text, finish = None, "", None
+    for chunk in stream:
+        api_id = chunk.id
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+            finish = chunk.choices[0].finish_reason or finish
+    return {"id": api_id, "text": text, "finish": finish}
+
+
+def _await_abort(run_dir, timeout: float = 60) -> None:
+    """Until the EngineCore has written an abort record (the disconnect reaches it asynchronously)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(b'"kind":"abort"' in f.read_bytes() for f in run_dir.glob("records.*.jsonl")):
+            return
+        time.sleep(0.2)
+    raise AssertionError("the engine recorded no abort within 60 s of the client closing its stream")
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    out = tmp_path_factory.mktemp("serve") / "run"
+    env = {**os.environ, "COLUMNS": "200", "NO_COLOR": "1", "PYTHONUNBUFFERED": "1"}
+    t0 = time.monotonic()
+    # Started as a shell starts `vllm-tour serve &`: SIGINT ignored. The SIGINT below must stop it all the same.
+    proc = subprocess.Popen([sys.executable, "-m", "vllm_tour", "serve", "--out", str(out)], cwd=REPO_ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    seen: list[str] = []
+    try:
+        q = _lines(proc)
+        url = _wait_for(q, r"serving (http://127\.0\.0\.1:\d+/v1)", seen, START_S).group(1)
+        started_s = time.monotonic() - t0
+        client = openai.OpenAI(base_url=url, api_key="not-checked", max_retries=0, timeout=120)
+
+        with ThreadPoolExecutor(8) as pool:
+            chats = list(pool.map(lambda i: _chat_stream(client, i), range(8)))
+        n2 = client.completions.create(model=MODEL, prompt="hello world", max_tokens=8, n=2, temperature=1.0, seed=7)
+
+        # Long enough (ignore_eos, ~1000 tokens) that it is still generating when the client hangs up.
+        stream = client.completions.create(model=MODEL, prompt="a long story", max_tokens=1000, stream=True,
+                                           extra_body={"ignore_eos": True})
+        got = []
+        for chunk in stream:
+            got.append(chunk)
+            if len(got) == 3:
+                break
+        stream.close()
+        _await_abort(out)
+        last = client.completions.create(model=MODEL, prompt="after the abort", max_tokens=2)
+
+        proc.send_signal(signal.SIGINT)  # what Ctrl-C sends
+        _wait_for(q, r"stopped after", seen, 120)
+        rc = proc.wait(120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return SimpleNamespace(out=out, rc=rc, output="".join(seen), chats=chats, n2=n2, aborted_id=got[0].id, last=last,
+                           started_s=started_s, run=load_run(out))
+
+
+def test_serve_stops_cleanly_and_leaves_a_complete_run(served, cli):
+    assert served.rc == 0, served.output
+    run = served.run
+    assert run.meta.status == "ok" and run.finished and not run.warnings and not run.errors
+    assert run.meta.engine_args["mode"] == "serve" and run.meta.engine_args["block_size"] == 32
+    assert run.meta.engine_args["dtype"] == "float32"
+    argv = run.meta.engine_args["server"]["argv"]
+    assert argv[argv.index("--host") + 1] == "127.0.0.1"
+    assert not any("not-checked" in v for v in [*argv, *run.meta.env.values()])  # the client's key is never recorded
+    assert (served.out / "server.log").is_file() and (served.out / "outputs.json").is_file()
+    print(f"server ready in {served.started_s:.0f} s")
+
+
+def test_serve_records_every_api_id_with_its_engine_requests(served):
+    by_api: dict[str, list] = {}
+    for r in served.run.server_requests:
+        by_api.setdefault(r.api_id, []).append(r)
+    chat_ids = [c["id"] for c in served.chats]
+    assert len(set(chat_ids)) == 8 and all(i.startswith("chatcmpl-") for i in chat_ids)
+    for api_id in [*chat_ids, served.n2.id, served.aborted_id, served.last.id]:
+        assert api_id in by_api, f"{api_id} not recorded (recorded: {sorted(by_api)})"
+    # n=2: two engine requests, children "<index>_<parent>", one per choice the client got
+    kids = sorted(by_api[served.n2.id], key=lambda r: r.index)
+    assert [k.index for k in kids] == [0, 1] and {k.n for k in kids} == {2}
+    assert kids[0].parent_id == kids[1].parent_id and all(k.req_id.startswith(f"{k.index}_") for k in kids)
+    assert sorted(k.text for k in kids) == sorted(c.text for c in served.n2.choices)
+    for r in served.run.server_requests:
+        assert r.arrival_time <= r.finished_time
+        if r.finish_reason != "abort":
+            assert r.first_token_time is not None and r.arrival_time <= r.first_token_time <= r.finished_time
+    # every engine request the server made ran in the engine's steps
+    scheduled = {x.req_id for s in served.run.steps if s.scheduler for x in s.scheduler.scheduled}
+    assert {r.req_id for r in served.run.server_requests} <= scheduled
+
+
+def test_streamed_text_equals_the_recorded_tokens(served):
+    from tokenizers import Tokenizer
+
+    run = served.run
+    tok = Tokenizer.from_file(str(load_run(served.out).meta.model_path) + "/tokenizer.json")
+    engine_tokens: dict[str, list[int]] = {}
+    for s in run.steps:  # what the engine sampled, step by step (the CPU worker's runner records)
+        for rec in s.runner.values():
+            for rid, ids in rec.sampled_token_ids.items():
+                engine_tokens.setdefault(rid, []).extend(ids)
+    by_api = {r.api_id: r for r in run.server_requests}
+    for chat in served.chats:
+        rec = by_api[chat["id"]]
+        assert rec.finish_reason == chat["finish"]
+        assert engine_tokens[rec.req_id] == rec.token_ids  # the engine's tokens reached the front end unchanged
+        assert rec.text == chat["text"]  # and the client got exactly their text
+        # The same text from the ids alone, but for a last incomplete UTF-8 character (random weights emit byte
+        # tokens): upstream's incremental detokenizer holds such a tail back, a one-shot decode shows it as U+FFFD.
+        assert tok.decode(rec.token_ids, skip_special_tokens=True).rstrip("\ufffd") == chat["text"].rstrip("\ufffd")
+
+
+def test_client_disconnect_is_an_abort_at_a_step_with_its_blocks_freed(served):
+    run = served.run
+    rec = next(r for r in run.server_requests if r.api_id == served.aborted_id)
+    assert rec.finish_reason == "abort" and len(rec.token_ids) >= 3
+    aborts = [(s, a) for s in run.steps for a in s.aborts if a.req_id == rec.req_id]
+    assert len(aborts) == 1, aborts
+    step, a = aborts[0]
+    assert a.status_before == "RUNNING" and a.num_output_tokens >= 3
+    assert a.block_ids and a.freed_block_ids == a.block_ids  # no prefix shared: every block it held is free again
+    assert step.scheduler is not None and rec.req_id in {x.req_id for x in step.scheduler.scheduled}
+    # the next step (the request after it) names it finished and returns its blocks in the KV record
+    nxt = next(s for s in run.steps if s.index > step.index and s.scheduler)
+    assert rec.req_id in nxt.scheduler.finished and set(a.freed_block_ids) <= set(nxt.kv.freed)
+    assert rec.req_id not in nxt.kv.block_tables
+
+
+def test_show_reads_the_served_run(served, cli):
+    r = cli("show", served.out)
+    assert r.returncode == 0, r.stderr
+    assert "ABORT" in r.stdout and "server requests" in r.stdout and served.n2.id in r.stdout
+
+
+def test_serve_refuses_a_port_in_use_and_leaves_no_run_dir(cli, tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = cli("serve", "--port", port, "--out", tmp_path / "run", timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.strip() == f"error: port {port} on 127.0.0.1 is in use: give another --port, or leave it out for a free one"
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--model", "no-such-model"), "model 'no-such-model' not found"),
+    (("--", "--host", "0.0.0.0"), "--host after --: the server listens on 127.0.0.1 only"),
+])
+def test_serve_bad_input_is_one_line(cli, tmp_path, args, message):
+    r = cli("serve", "--out", tmp_path / "run", *args, timeout=120)
+    assert r.returncode == 2 and message in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
+
+
+def test_serve_reports_an_option_upstream_rejects(cli, tmp_path):
+    # Upstream's own parser refuses it (~15 s: the server imports vLLM first); nothing is left behind.
+    r = cli("serve", "--out", tmp_path / "run", "--", "--no-such-option", timeout=START_S)
+    assert r.returncode == 2, r.stdout + r.stderr
+    # the last line (importing vLLM may print its own notices before it)
+    assert r.stderr.strip().splitlines()[-1] == ("error: upstream's server exited (2) before it was ready: "
+                                                 "unrecognized arguments: --no-such-option")
+    assert not (tmp_path / "run").exists()
