@@ -165,6 +165,12 @@ MSG: dict[str, dict[str, str]] = {
         "zh": "最后 {rest} 个 token 永远不会命中：只有满块才会被缓存，且最后一个 token 总要重算（命中上限 num_tokens - 1 = {cap}，"
               "按 {bs} 的整块计）",
     },
+    "cache_too_short": {
+        "en": "none of its {tokens} tokens can hit: a hit is whole blocks of {bs} before the last token, which is "
+              "always recomputed (hits stop at num_tokens - 1 = {cap})",
+        "zh": "它的 {tokens} 个 token 都不可能命中：命中只算最后一个 token 之前的 {bs} 整块，而最后一个 token 总要重算"
+              "（命中上限 num_tokens - 1 = {cap}）",
+    },
     "miss_evicted": {
         "en": "block {i} (tokens {a}-{b}) missed: it was cached in block {block} ({owner}) and evicted at step {step} "
               "to make room for {by}",
@@ -222,6 +228,7 @@ MSG: dict[str, dict[str, str]] = {
 }
 
 # Words inside sentences that are values, translated for zh.
+MORE = {"en": "... {n} more: vllm-tour explain --request", "zh": "……还有 {n} 条：见 vllm-tour explain --request"}
 KIND_WORDS = {"new": {"en": "new", "zh": "新请求"}, "resumed": {"en": "resumed", "zh": "恢复"}}
 
 
@@ -341,21 +348,29 @@ class Explanation:
     lines: list[Line]
     table: list[dict] = field(default_factory=list)  # --cache rows
 
-    def summary(self, lang: str = "en", limit: int = 6) -> list[str]:
-        """A few lines: the turns that matter (waits, preemptions, resumes, misses), not every chunk."""
-        keep = [ln for ln in self.lines if ln.topic in ("wait", "preempt", "resume", "cache", "finish", "level")]
-        return [_prefix(ln) + ln.text(lang) for ln in keep[:limit]]
+    def summary(self, lang: str = "en", limit: int = 8) -> list[str]:
+        """A few lines: the turns that matter (waits, preemptions, resumes, why the cache missed, the finish), not
+        every chunk; a miss line stands for the zero-hit line before it."""
+        keep = [ln for ln in self.lines if ln.topic in ("wait", "preempt", "resume", "cache", "finish", "level")
+                and ln.cause not in ("no_hit", None)]
+        out = [_prefix(ln, lang) + ln.text(lang) for ln in keep]
+        return out if len(out) <= limit else out[: limit - 1] + [MORE[lang].format(n=len(out) - limit + 1)]
 
     def to_json(self, lang: str = "en") -> dict:
         return {"run": self.run, "pin": self.pin, "level": self.level, "subject": self.subject, "lang": lang,
-                "lines": [ln.to_json(lang) for ln in self.lines], **({"cache": self.table} if self.table else {})}
+                "lines": [ln.to_json(lang) for ln in self.lines],
+                **({"cache": [{k: v for k, v in row.items() if k != "lines"} | {"texts": [ln.text(lang) for ln in row["lines"]]}
+                              for row in self.table]} if self.table else {})}
 
 
-def _prefix(ln: Line) -> str:
+STEP = {"en": ("step {a}: ", "steps {a}-{b}: "), "zh": ("第 {a} 步：", "第 {a}-{b} 步：")}
+
+
+def _prefix(ln: Line, lang: str = "en") -> str:
     if not ln.steps:
         return ""
     a, b = ln.steps
-    return f"step {a}: " if a == b else f"steps {a}-{b}: "
+    return STEP[lang][a != b].format(a=a, b=b)
 
 
 class _Explainer:
@@ -455,7 +470,8 @@ class _Explainer:
                                                      "why": f"{tokens} tokens need at most {need} blocks and {free} were free"},
                             ["kv.free_blocks", "kv.block_size"], [], "unknown", (n, n))
             return Line("wait", "wait_kv", {"tokens": tokens, "bs": self.bs, "need": need, "free": free},
-                        ["kv.free_blocks", "kv.block_size", "scheduler.scheduled[].num_prompt_tokens"],
+                        ["kv.free_blocks", "kv.block_size", "scheduler.scheduled[].num_prompt_tokens",
+                         "scheduler.scheduled[].num_output_tokens"],
                         ["kvm-reserve-full-isl", "kvm-alloc-fail", "sched-waiting-alloc-fail"], "kv_blocks", (n, n))
         fits = []
         if step.kv is not None:
@@ -593,7 +609,8 @@ class _Explainer:
         if hit < cacheable:
             out += self._cache.miss(rid, n, hit, tokens) if self._cache else []
         if tokens - cacheable > 0:
-            out.append(Line("cache", "cache_uncacheable", {"rest": tokens - cacheable, "cap": cap, "bs": self.bs},
+            out.append(Line("cache", "cache_uncacheable" if cacheable else "cache_too_short",
+                            {"rest": tokens - cacheable, "cap": cap, "bs": self.bs, "tokens": tokens},
                             ["scheduler.scheduled[].num_prompt_tokens", "kv.block_size"],
                             ["kvm-hit-cap", "kvm-hash-full-only"], "partial_block", (n, n)))
         return out
@@ -811,8 +828,11 @@ def explain(run: Run, request: str | None = None, step: int | None = None, cache
     return ex.cache()
 
 
-def request_summary(run: Run, rid: str, lang: str = "en", limit: int = 6) -> list[str]:
-    """The few lines `show --request R` prints under the request's steps."""
+def request_summary(run: Run, rid: str, lang: str = "en", limit: int = 8) -> list[str]:
+    """The few lines `show --request R` prints under the request's steps ([] for a run without scheduler records:
+    nothing to explain, and `show` still shows what the run has)."""
+    if not any(s.scheduler for s in run.steps):
+        return []
     return explain(run, request=rid).summary(lang, limit)
 
 
@@ -853,7 +873,7 @@ def render(ex: Explanation, console, lang: str = "en") -> None:
         if ex.table and ln.topic == "cache":
             continue  # already in the table
         who = f"{ln.who}: " if ln.who else ""
-        console.print(escape(_prefix(ln) + who + ln.text(lang)), highlight=False)
+        console.print(escape(_prefix(ln, lang) + who + ln.text(lang)), highlight=False)
         if ln.fields or ln.notes:
             bits = ([f"{EVIDENCE[lang]} {', '.join(ln.fields)}"] if ln.fields else []) + \
                    ([f"{RULES[lang]} {', '.join(ln.notes)}"] if ln.notes else [])
