@@ -300,3 +300,15 @@ def test_show_request_prints_the_summary():
     out = console.export_text()
     assert "why (vllm-tour explain --request r2" in out
     assert "preempted while allocating for r2" in out and "waited: not enough free KV blocks" in out
+
+
+def test_every_note_it_cites_exists_and_holds_on_the_pin():
+    """A rule is cited by note id: each id must be a note, and hold on v0.32.0 (the goldens' pin)."""
+    import inspect
+
+    from vllm_tour.views import explain as module
+    from vllm_tour.views.explain import note_marks
+
+    cited = set(re.findall(r'"((?:sched|kvm|pool|fe)-[a-z0-9-]+)"', inspect.getsource(module)))
+    marks = note_marks("v0.32.0")
+    assert cited and {n: marks.get(n, "missing") for n in cited if marks.get(n) != ""} == {}

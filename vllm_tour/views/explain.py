@@ -850,6 +850,18 @@ SOURCE_HINT = {
 }
 
 
+def note_marks(pin: str) -> dict[str, str]:
+    """note id -> "" where the note holds on `pin`, else a mark saying it is not checked there or does not apply
+    (a rule whose code differs between releases is shown as the notes state it per pin, never assumed)."""
+    from vllm_tour.notes.annotations import all_notes, load_all
+
+    marks = {}
+    for n in all_notes(load_all()):
+        status = n.status_on(pin)
+        marks[n.id] = {"applies": "", "variant": "", "not_applicable": f" [not on {pin}]"}.get(status, f" [unchecked on {pin}]")
+    return marks
+
+
 def check_lang(lang: str) -> str:
     if lang not in LANGS:
         raise TourError(f"--lang {lang!r}: choose one of {', '.join(LANGS)}")
@@ -861,6 +873,7 @@ def render(ex: Explanation, console, lang: str = "en") -> None:
     from rich.table import Table
 
     console.print(HEAD[lang].format(run=ex.run, subject=ex.subject, pin=ex.pin, level=ex.level), style="bold")
+    marks = note_marks(ex.pin)
     if ex.table:
         t = Table(title_justify="left")
         for c in ("request", "step", "kind", "tokens", "hit", "miss causes"):
@@ -876,6 +889,6 @@ def render(ex: Explanation, console, lang: str = "en") -> None:
         console.print(escape(_prefix(ln, lang) + who + ln.text(lang)), highlight=False)
         if ln.fields or ln.notes:
             bits = ([f"{EVIDENCE[lang]} {', '.join(ln.fields)}"] if ln.fields else []) + \
-                   ([f"{RULES[lang]} {', '.join(ln.notes)}"] if ln.notes else [])
+                   ([f"{RULES[lang]} {', '.join(n + marks.get(n, ' [no such note]') for n in ln.notes)}"] if ln.notes else [])
             console.print("    " + escape(" · ".join(bits)), style="dim", highlight=False)
     console.print(SOURCE_HINT[lang], style="dim")
