@@ -82,7 +82,7 @@ def test_wait_head_of_line_names_the_blocker():
         assert _causes_at(ex, n, "wait") == {"head_of_line"}, n
     ln = _lines_at(ex, 3, "wait")[0]
     assert ln.params["head"] == "b"
-    assert "d alone needed at most 1 blocks" in ln.text()
+    assert "d alone needed at most 1 block for 5 tokens" in ln.text()
     # then other limits hold it, each its own cause: the budget at step 5, free blocks at step 6
     assert _causes_at(ex, 5, "wait") == {"token_budget"}
     assert _causes_at(ex, 6, "wait") == {"kv_blocks"}
@@ -312,3 +312,27 @@ def test_every_note_it_cites_exists_and_holds_on_the_pin():
     cited = set(re.findall(r'"((?:sched|kvm|pool|fe)-[a-z0-9-]+)"', inspect.getsource(module)))
     marks = note_marks("v0.32.0")
     assert cited and {n: marks.get(n, "missing") for n in cited if marks.get(n) != ""} == {}
+
+
+def test_readme_shows_what_explain_prints():
+    """README's explain example is this command's output on the golden (cut at "..."), not a paraphrase."""
+    from rich.console import Console
+
+    from vllm_tour.paths import REPO_ROOT
+    from vllm_tour.views.explain import render
+
+    readme = (REPO_ROOT / "README.md").read_text()
+    block = readme.split("$ vllm-tour explain traces/golden/preemption --request r2\n", 1)[1].split("```", 1)[0]
+    console = Console(width=120, record=True)
+    render(explain(_run("preemption"), request="r2"), console)
+    out = " ".join(console.export_text().split())
+    # README keeps some sentences and leaves out others (and most evidence lines): each sentence it shows must be
+    # printed, in README's order; a sentence starts at "step"/"steps"/"arrived"/"explain"/an evidence line.
+    entries = [" ".join(e.split()) for e in re.split(r"\n(?=explain |arrived |steps? \d|    fields |\.\.\.)", block)]
+    entries = [e for e in entries if e and e != "..."]
+    assert len(entries) >= 8
+    at = 0
+    for e in entries:
+        found = out.find(e, at)
+        assert found >= 0, e
+        at = found + len(e)

@@ -369,7 +369,9 @@ def explain(
     the records establish it; otherwise the sentence says what is known. Examples:
 
       vllm-tour explain traces/golden/preemption --request r2
+
       vllm-tour explain traces/golden/preemption --step 38
+
       vllm-tour explain traces/golden/shared_prefix --cache --lang zh
     """
     import json

@@ -28,6 +28,7 @@ The rules, as Scheduler.schedule applies them at v0.32.0 (and v0.21.0):
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from math import ceil
 
@@ -259,7 +260,9 @@ class Line:
         for k, v in list(params.items()):
             if isinstance(v, dict) and set(v) == set(LANGS):
                 params[k] = v[lang]
-        return msg(self.key, lang, **params)
+        text = msg(self.key, lang, **params)
+        # English plurals: the templates say "{n} tokens"; a count of one reads "1 token" (zh has no plural).
+        return re.sub(r"(?<![\d.])1 (token|block)s\b", r"1 \1", text) if lang == "en" else text
 
     def to_json(self, lang: str) -> dict:
         return {"topic": self.topic, "cause": self.cause, **({"request": self.who} if self.who else {}), "steps": list(self.steps) if self.steps else None,
