@@ -434,7 +434,7 @@ class _Explainer:
         waiting = st is not None and rid in st.left
         running = st is not None and rid in st.running and rid not in {p.req_id for p in sch.preempted}
         if st is None or not st.consistent or not (waiting or running):
-            return Line("wait", "wait_unknown", {"queue": "", "why": "its place in the queues is not known here"},
+            return Line("wait", "wait_unknown", {"queue": "", "why": {"en": "its place in the queues is not known here", "zh": "此处无法确定它在队列中的位置"}},
                         ["scheduler.waiting_before", "scheduler.running_before"], [], "unknown", (n, n),
                         sub=[("queue", ("queue_mismatch", {}))] if st is not None and not st.consistent else [])
         if running:
@@ -443,7 +443,8 @@ class _Explainer:
                                                               "users": self.users(sch)},
                             ["scheduler.token_budget", "scheduler.tokens_scheduled", "scheduler.scheduled"],
                             ["sched-budget-init", "sched-running-loop"], "token_budget", (n, n))
-            return Line("wait", "wait_unknown", {"queue": " while running", "why": f"{budget_left} tokens of the budget left"},
+            return Line("wait", "wait_unknown", {"queue": {"en": " while running", "zh": "（运行中）"},
+                                                 "why": {"en": f"{budget_left} tokens of the budget left", "zh": f"预算还剩 {budget_left} 个 token"}},
                         ["scheduler.token_budget", "scheduler.tokens_scheduled"], [], "unknown", (n, n))
         if sch.preempted:
             return Line("wait", "wait_preempt_gate", {"victims": ", ".join(p.req_id for p in sch.preempted)},
@@ -469,8 +470,9 @@ class _Explainer:
                             ["sched-waiting-alloc-fail", "kvm-reserve-full-isl"], "kv_blocks", (n, n))
             need, free = ceil(tokens / self.bs), step.kv.free_blocks
             if need <= free:  # the rule says it would have fit: do not claim a cause the numbers contradict
-                return Line("wait", "wait_unknown", {"queue": " at the head of the waiting queue",
-                                                     "why": f"{tokens} tokens need at most {need} blocks and {free} were free"},
+                return Line("wait", "wait_unknown", {"queue": {"en": " at the head of the waiting queue", "zh": "（位于等待队列队首）"},
+                                                     "why": {"en": f"{tokens} tokens need at most {need} blocks and {free} were free",
+                                                             "zh": f"{tokens} 个 token 最多只需 {need} 块，而空闲的有 {free} 块"}},
                             ["kv.free_blocks", "kv.block_size"], [], "unknown", (n, n))
             return Line("wait", "wait_kv", {"tokens": tokens, "bs": self.bs, "need": need, "free": free},
                         ["kv.free_blocks", "kv.block_size", "scheduler.scheduled[].num_prompt_tokens",
@@ -769,7 +771,7 @@ class _CacheSim:
                   "meta.requests[].prompt_token_ids", "outputs.requests[].token_ids"]
         base = {"i": i, "a": a, "b": b}
         if len(seq) < b + 1:
-            return [Line("cache", "miss_unknown", {**base, "why": "the request's tokens are not all recorded"}, fields, [],
+            return [Line("cache", "miss_unknown", {**base, "why": {"en": "the request's tokens are not all recorded", "zh": "该请求的 token 没有全部记录"}}, fields, [],
                          "unknown", (step, step))]
         key = tuple(seq[: b + 1])
         hist = self.history.get(key, [])
@@ -784,7 +786,7 @@ class _CacheSim:
                 return [Line("cache", "miss_evicted", {**base, "block": h[1], "owner": h[2], "step": h[3], "by": by},
                              fields, ["pool-evict-on-reuse", "pool-free-order", "kvm-free-reverse"], "evicted",
                              (step, step))] + tail
-            return [Line("cache", "miss_unknown", {**base, "why": "the rebuilt cache still held these tokens"}, fields, [],
+            return [Line("cache", "miss_unknown", {**base, "why": {"en": "the rebuilt cache still held these tokens", "zh": "重建的缓存中这些 token 仍在"}}, fields, [],
                          "unknown", (step, step))]
         same = [h for h in hist if h[0] == step and h[2] != rid]
         if same:
