@@ -411,6 +411,42 @@ def show(
 
 
 @app.command()
+def explain(
+    run: str = typer.Argument("latest", help="A run directory, a name under traces/runs or traces/golden, or 'latest' (the last trace started)."),
+    request: Optional[str] = typer.Option(None, "--request", "-r", help="Tell one request's life: why it waited, its prefix-cache hit, chunks, preemptions, finish."),
+    step: Optional[int] = typer.Option(None, "--step", "-n", help="Why step N's batch is what it is: budget arithmetic, who was admitted, who waited and why."),
+    cache: bool = flag("--cache", help="Prefix-cache outcomes per admission, with the cause of every miss."),
+    as_json: bool = flag("--json", help="Machine-readable explanation on stdout (each line with its cause, fields and notes)."),
+    lang: str = typer.Option("en", "--lang", help="Language of the explanation: en or zh."),
+):
+    """Explain why, from a run's records (nothing is re-run): why a request waited, missed the prefix cache,
+    was chunked or preempted.
+
+    Each sentence names the record fields it was derived from and the notes (annotations/*.toml) whose rule
+    it applies; `vllm-tour source QUALNAME` shows a note beside the pinned code. A cause is stated only when
+    the records establish it; otherwise the sentence says what is known. Examples:
+
+      vllm-tour explain traces/golden/preemption --request r2
+
+      vllm-tour explain traces/golden/preemption --step 38
+
+      vllm-tour explain traces/golden/shared_prefix --cache --lang zh
+    """
+    import json
+
+    from vllm_tour.trace.reader import load_run
+    from vllm_tour.views.explain import check_lang, render
+    from vllm_tour.views.explain import explain as explain_run
+
+    check_lang(lang)  # bad input before any loading
+    ex = explain_run(load_run(run), request=request, step=step, cache=cache)
+    if as_json:
+        typer.echo(json.dumps(ex.to_json(lang), ensure_ascii=False, indent=1))
+    else:
+        render(ex, console, lang)
+
+
+@app.command()
 def export(
     run: str = typer.Argument("latest", help="A run directory, a name under traces/runs or traces/golden, or 'latest' (the last trace started)."),
     format: str = typer.Option("perfetto", "--format", "-f", help="perfetto: Chrome trace JSON for ui.perfetto.dev."),

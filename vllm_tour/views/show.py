@@ -13,6 +13,7 @@ from vllm_tour.trace import levels
 from vllm_tour.trace.experts import expert_view, moe_detail
 from vllm_tour.trace.reader import Run, Step
 from vllm_tour.views.event_notes import notes_line, step_concepts
+from vllm_tour.views.explain import request_summary
 
 PROMPT_IDS_SHOWN = 16  # header: a prompt's first token ids
 PROMPTS_SHOWN = 8  # header: requests whose prompt ids are listed
@@ -274,6 +275,9 @@ def request_view(run: Run, rid: str) -> Group:
             t.add_row(str(s.index), " ".join(f"{b}{'+' if b in new else '*' if b in hit else ''}" for b in s.kv.block_tables[rid]))
     missing = _not_recorded(run, "blocks", f"{rid}'s blocks per step")
     parts += missing or [t]
+    why = request_summary(run, rid)
+    if why:  # the explanation's turns, in short: `vllm-tour explain RUN --request R` has the evidence
+        parts.append(Text("why (vllm-tour explain --request " + rid + " gives the evidence):\n  " + "\n  ".join(why)))
     if run.outputs:
         for o in run.outputs.requests:
             if o.req_id == rid:

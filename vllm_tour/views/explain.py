@@ -1,0 +1,899 @@
+"""`vllm-tour explain`: why a request waited, missed the prefix cache, was chunked or preempted -- from records.
+
+A view: it reads a run's records and re-runs nothing. Each sentence it prints is a `Line` that carries the
+record fields it was derived from and the ids of the notes (annotations/*.toml) whose rule it applies, so a
+reader can check both the evidence and the rule against the pinned source (`vllm-tour source`).
+
+Right or silent: a cause is stated only when the records establish it. The records do not hold the waiting
+queue itself, so it is rebuilt (`_Timeline`) from what they do hold -- arrivals (meta.requests, replayed the
+way the driver adds them), admissions, preemptions and finishes -- and checked at every step against the
+queue lengths the scheduler recorded (`waiting_before`, `running_before`). Where the rebuilt queue does not
+match, or the numbers contradict the rule, the line says what is known and that the cause is not.
+
+The rules, as Scheduler.schedule applies them at v0.32.0 (and v0.21.0):
+- running requests are served first, in admission order, until the token budget is spent
+  (sched-budget-init, sched-running-loop); a running prefill is cut to what is left (sched-running-clamp);
+- when a running request's allocate_slots fails, the last running request is preempted (FCFS) and the
+  allocation retried; the request itself is the last victim (sched-pick-victim, sched-preempt-self); a
+  victim loses all computed tokens (sched-preempt-reset) and goes to the front of `waiting`
+  (sched-preempt-prepend);
+- no request is admitted in a step that preempted (sched-waiting-gate);
+- admission walks `waiting` from its head while budget is left and fewer than max_num_seqs run
+  (sched-max-active); the first request whose whole known sequence does not fit in the free blocks stops
+  the walk, and everyone behind it waits too (kvm-reserve-full-isl, sched-waiting-alloc-fail);
+- a prefix-cache hit is the longest run of cached full blocks from the start, capped at num_tokens - 1
+  (kvm-longest-hit, kvm-hash-full-only, kvm-hit-cap); blocks are cached at allocation (kvm-cache-blocks) and
+  lose their hash only when reused for other content (pool-evict-on-reuse).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from math import ceil
+
+from vllm_tour.errors import TourError
+from vllm_tour.trace import levels
+from vllm_tour.trace.reader import Run
+
+LANGS = ("en", "zh")
+
+# --- messages: one template per sentence kind, en and zh ----------------------------------------------------
+
+MSG: dict[str, dict[str, str]] = {
+    "arrival": {
+        "en": "arrived before step {step} (arrival_step {arrival} in meta.requests): {tokens} prompt tokens",
+        "zh": "在第 {step} 步之前到达（meta.requests 中 arrival_step = {arrival}）：提示词 {tokens} 个 token",
+    },
+    "arrival_early": {
+        "en": "arrived before step {step}, earlier than its arrival_step {arrival}: the engine had nothing else to do "
+              "(the driver adds the next request when the engine is idle): {tokens} prompt tokens",
+        "zh": "在第 {step} 步之前到达，早于它的 arrival_step {arrival}：引擎当时空闲（驱动程序在引擎空闲时提前加入下一个请求）；"
+              "提示词 {tokens} 个 token",
+    },
+    "wait_preempt_gate": {
+        "en": "waited: this step preempted {victims}, and no request is admitted in a step that preempted",
+        "zh": "等待：本步发生了抢占（{victims}），发生抢占的一步不准入任何请求",
+    },
+    "wait_budget": {
+        "en": "waited: the token budget was used up ({used}/{budget} tokens went to {users})",
+        "zh": "等待：token 预算已用完（{budget} 个中的 {used} 个给了 {users}）",
+    },
+    "wait_max_running": {
+        "en": "waited: {running} requests were running, the limit max_num_seqs = {max}",
+        "zh": "等待：已有 {running} 个请求在运行，达到上限 max_num_seqs = {max}",
+    },
+    "wait_kv": {
+        "en": "waited: not enough free KV blocks -- its whole sequence of {tokens} tokens must fit to be admitted, "
+              "up to ceil({tokens}/{bs}) = {need} blocks, {free} free",
+        "zh": "等待：空闲 KV 块不足——准入要求整条序列（{tokens} 个 token）都放得下，最多需要 ceil({tokens}/{bs}) = {need} 块，"
+              "而空闲的只有 {free} 块",
+    },
+    "wait_kv_nolevel": {
+        "en": "waited: its KV allocation failed (budget left {left}, {running} < max_num_seqs {max} running: the only "
+              "other stop of the admission walk); free blocks are not recorded at level {level}",
+        "zh": "等待：它的 KV 分配失败（预算还剩 {left}，运行中 {running} < max_num_seqs {max}：准入循环没有别的停止条件）；"
+              "{level} 级别的记录不含空闲块数",
+    },
+    "wait_no_chunking": {
+        "en": "waited: chunked prefill is off and its {owed} tokens exceed the {left} tokens left of the budget",
+        "zh": "等待：分块预填充已关闭，它的 {owed} 个 token 超过了预算剩余的 {left} 个",
+    },
+    "wait_hol": {
+        "en": "waited behind {head}, which did not fit: admission stops at the first waiting request it cannot "
+              "admit{fits}",
+        "zh": "排在 {head} 之后等待：{head} 放不下，而准入循环在第一个无法准入的等待请求处就停止{fits}",
+    },
+    "hol_fits": {
+        "en": " ({rid} alone needed at most {need} blocks for {tokens} tokens, and {free} were free)",
+        "zh": "（{rid} 自己最多只需 {need} 块来放 {tokens} 个 token，而空闲的有 {free} 块）",
+    },
+    "wait_running_budget": {
+        "en": "got no tokens while running: the budget was used up by requests ahead of it ({used}/{budget} to {users})",
+        "zh": "处于运行状态但没分到 token：预算被排在前面的请求用完了（{budget} 个中的 {used} 个给了 {users}）",
+    },
+    "wait_unknown": {
+        "en": "was not scheduled{queue}; the records do not establish why ({why})",
+        "zh": "没有被调度{queue}；记录无法确定原因（{why}）",
+    },
+    "admit": {
+        "en": "admitted ({kind}): {computed} of its {tokens} tokens already computed from the prefix "
+              "cache, {scheduled} computed this step",
+        "zh": "被准入（{kind}）：{tokens} 个 token 中 {computed} 个来自前缀缓存，本步计算 {scheduled} 个",
+    },
+    "chunk_budget": {
+        "en": "prefill chunk of {chunk} of the {owed} tokens it still owed, cut to what was left of the "
+              "budget: {budget} - {others} (to {users}) = {chunk}",
+        "zh": "预填充分块 {chunk} 个 token（还欠 {owed} 个），被截到预算剩余：{budget} - {others}（给了 {users}）= {chunk}",
+    },
+    "chunk_threshold": {
+        "en": "prefill chunk of {chunk} of the {owed} tokens it still owed, capped by "
+              "long_prefill_token_threshold = {threshold}",
+        "zh": "预填充分块 {chunk} 个 token（还欠 {owed} 个），被 long_prefill_token_threshold = {threshold} 限制",
+    },
+    "chunk_unknown": {
+        "en": "prefill chunk of {chunk} of the {owed} tokens it still owed; the records do not show what "
+              "cut it ({left} tokens of the budget were left)",
+        "zh": "预填充分块 {chunk} 个 token（还欠 {owed} 个）；记录看不出是什么截断了它（预算还剩 {left}）",
+    },
+    "chunk_last": {
+        "en": "last prefill chunk, the remaining {chunk} tokens",
+        "zh": "最后一个预填充分块，剩下的 {chunk} 个 token",
+    },
+    "preempt": {
+        "en": "preempted while allocating for {for_}: allocate_slots({for_}, {asked} tokens) failed with "
+              "{free} free blocks; {rule}. It lost {lost} computed tokens (blocks {blocks} freed) and must recompute them",
+        "zh": "为 {for_} 分配时被抢占：allocate_slots({for_}, {asked} 个 token) 在只有 {free} 个空闲块时失败；"
+              "{rule}。它丢失了 {lost} 个已计算的 token（释放块 {blocks}），必须重新计算",
+    },
+    "rule_last": {
+        "en": "the victim is the last running request (FCFS), and {rid} was last of {running}",
+        "zh": "FCFS 策略下牺牲者是运行队列的最后一个，而 {rid} 正是 {running} 中的最后一个",
+    },
+    "rule_self": {
+        "en": "{rid} was the last running request itself, with no one left behind it to preempt",
+        "zh": "{rid} 自己就是运行队列的最后一个，后面已没有可以抢占的请求",
+    },
+    "rule_priority": {
+        "en": "under the priority policy the victim is the worst (priority, arrival) running request",
+        "zh": "优先级策略下，牺牲者是运行队列中 (priority, arrival) 最差的请求",
+    },
+    "rule_unverified": {
+        "en": "the victim is the last running request (FCFS); the rebuilt running list does not confirm it here",
+        "zh": "FCFS 策略下牺牲者是运行队列的最后一个；此处重建的运行队列无法印证这一点",
+    },
+    "preempted_other": {
+        "en": "its allocation ({asked} tokens, {free} free blocks) failed and {victim} was preempted for it "
+              "({lost} computed tokens lost)",
+        "zh": "它的分配（{asked} 个 token，空闲 {free} 块）失败，{victim} 为它被抢占（丢失 {lost} 个已计算 token）",
+    },
+    "resume": {
+        "en": "back (resumed, {waited} steps after the preemption): {hit} of its {tokens} tokens from "
+              "the prefix cache, {recompute} recomputed",
+        "zh": "恢复运行（抢占后 {waited} 步）：{tokens} 个 token 中 {hit} 个来自前缀缓存，重新计算 {recompute} 个",
+    },
+    "cache_off": {
+        "en": "prefix cache: off in this run (enable_prefix_caching false): all {tokens} tokens computed",
+        "zh": "前缀缓存：本次运行未开启（enable_prefix_caching 为 false）：{tokens} 个 token 全部计算",
+    },
+    "cache_hit": {
+        "en": "prefix cache: hit {hit} of {tokens} tokens (blocks {blocks}); at most {cacheable} could hit",
+        "zh": "前缀缓存：{tokens} 个 token 命中 {hit} 个（块 {blocks}）；最多可命中 {cacheable} 个",
+    },
+    "cache_uncacheable": {
+        "en": "the last {rest} tokens can never hit: only full blocks are cached, and the last token is always "
+              "recomputed (hits stop at num_tokens - 1 = {cap}, whole blocks of {bs})",
+        "zh": "最后 {rest} 个 token 永远不会命中：只有满块才会被缓存，且最后一个 token 总要重算（命中上限 num_tokens - 1 = {cap}，"
+              "按 {bs} 的整块计）",
+    },
+    "cache_too_short": {
+        "en": "none of its {tokens} tokens can hit: a hit is whole blocks of {bs} before the last token, which is "
+              "always recomputed (hits stop at num_tokens - 1 = {cap})",
+        "zh": "它的 {tokens} 个 token 都不可能命中：命中只算最后一个 token 之前的 {bs} 整块，而最后一个 token 总要重算"
+              "（命中上限 num_tokens - 1 = {cap}）",
+    },
+    "miss_evicted": {
+        "en": "block {i} (tokens {a}-{b}) missed: it was cached in block {block} ({owner}) and evicted at step {step} "
+              "to make room for {by}",
+        "zh": "第 {i} 块（token {a}-{b}）未命中：它曾缓存在块 {block}（{owner}）中，第 {step} 步为给 {by} 腾地方被驱逐",
+    },
+    "miss_first": {
+        "en": "block {i} (tokens {a}-{b}) missed: no request had computed these tokens before (first seen here)",
+        "zh": "第 {i} 块（token {a}-{b}）未命中：此前没有任何请求计算过这些 token（首次出现）",
+    },
+    "miss_same_step": {
+        "en": "block {i} (tokens {a}-{b}) missed: {other} computes the same tokens in this step, but was admitted after it",
+        "zh": "第 {i} 块（token {a}-{b}）未命中：{other} 在同一步计算相同的 token，但它在本请求之后才被准入",
+    },
+    "miss_later": {
+        "en": "block {i} (tokens {a}-{b}) missed: {other} has the same tokens but computed them only at step {step}",
+        "zh": "第 {i} 块（token {a}-{b}）未命中：{other} 有相同的 token，但直到第 {step} 步才计算",
+    },
+    "miss_unknown": {
+        "en": "block {i} (tokens {a}-{b}) missed; the records do not establish why ({why})",
+        "zh": "第 {i} 块（token {a}-{b}）未命中；记录无法确定原因（{why}）",
+    },
+    "miss_chain": {
+        "en": "the hit ends at the first missing block: later blocks cannot hit after a miss",
+        "zh": "命中在第一个未命中的块处结束：未命中之后的块不可能再命中",
+    },
+    "finish": {
+        "en": "finished: {reason} ({generated} tokens generated){freed}",
+        "zh": "结束：{reason}（生成了 {generated} 个 token）{freed}",
+    },
+    "freed_at": {"en": "; its blocks were freed at step {step} (kv.freed)", "zh": "；它的块在第 {step} 步释放（kv.freed）"},
+    "finish_length": {"en": "max_tokens = {max} reached", "zh": "达到 max_tokens = {max}"},
+    "finish_model_len": {"en": "max_model_len reached", "zh": "达到 max_model_len"},
+    "finish_stop": {"en": "the model produced EOS or a stop token", "zh": "模型生成了 EOS 或停止 token"},
+    "finish_other": {"en": "finish reason {reason}", "zh": "结束原因 {reason}"},
+    "unfinished": {
+        "en": "did not finish in the records (run status {status})",
+        "zh": "在记录中没有结束（运行状态 {status}）",
+    },
+    "never_scheduled": {
+        "en": "was never scheduled in the recorded steps",
+        "zh": "在记录的各步中从未被调度",
+    },
+    "level": {
+        "en": "recorded at level {level}: {what} need records of level blocks (record again with --level blocks)",
+        "zh": "记录级别为 {level}：{what}需要 blocks 级别的记录（用 --level blocks 重新记录）",
+    },
+    "level_what": {
+        "en": "free-block counts, prefix-cache miss causes and evictions",
+        "zh": "空闲块数、前缀缓存未命中的原因与驱逐",
+    },
+    "queue_mismatch": {
+        "en": " (the rebuilt queues do not match the recorded waiting/running counts at this step)",
+        "zh": "（本步重建的队列与记录的 waiting/running 数量不符）",
+    },
+}
+
+# Words inside sentences that are values, translated for zh.
+MORE = {"en": "... {n} more: vllm-tour explain --request", "zh": "……还有 {n} 条：见 vllm-tour explain --request"}
+KIND_WORDS = {"new": {"en": "new", "zh": "新请求"}, "resumed": {"en": "resumed", "zh": "恢复"}}
+
+
+def msg(key: str, lang: str, **params) -> str:
+    return MSG[key][lang].format(**params)
+
+
+@dataclass
+class Line:
+    """One sentence of an explanation: what it says (key + params, rendered per language), the cause it names
+    (machine-readable, for scripts and tests), the steps it covers, the record fields it read, the notes whose
+    rule it applies."""
+
+    topic: str  # arrival | wait | admit | chunk | preempt | resume | cache | finish | level
+    key: str
+    params: dict
+    fields: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    cause: str | None = None
+    steps: tuple[int, int] | None = None
+    sub: list[tuple[str, tuple]] = field(default_factory=list)  # nested message pieces: (param name, (key, params))
+    who: str | None = None  # the request a line of a step or cache view is about (None in a request's own story)
+
+    def text(self, lang: str = "en") -> str:
+        params = dict(self.params)
+        for name, (key, p) in self.sub:
+            params[name] = msg(key, lang, **p) if key else ""
+        for k, v in list(params.items()):
+            if isinstance(v, dict) and set(v) == set(LANGS):
+                params[k] = v[lang]
+        text = msg(self.key, lang, **params)
+        # English plurals: the templates say "{n} tokens"; a count of one reads "1 token" (zh has no plural).
+        return re.sub(r"(?<![\d.])1 (token|block)s\b", r"1 \1", text) if lang == "en" else text
+
+    def to_json(self, lang: str) -> dict:
+        return {"topic": self.topic, "cause": self.cause, **({"request": self.who} if self.who else {}), "steps": list(self.steps) if self.steps else None,
+                "text": self.text(lang), "fields": self.fields, "notes": self.notes}
+
+
+# --- the rebuilt queues ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class StepState:
+    index: int
+    waiting: list[str]  # the waiting queue as schedule() found it, head first
+    running: list[str]  # the running list as schedule() found it, admission order
+    consistent: bool  # the rebuilt queues have the lengths the scheduler recorded
+    admitted: list[str] = field(default_factory=list)  # taken from the head of `waiting`, in queue order
+    left: list[str] = field(default_factory=list)  # still waiting after admission (before this step's victims join)
+    running_after: list[str] = field(default_factory=list)  # running once admission ended
+    victims_last: bool = True  # each victim was the last of running when it was picked
+
+
+class _Timeline:
+    """The waiting and running queues at every step, rebuilt from arrivals, admissions, preemptions, finishes."""
+
+    def __init__(self, run: Run):
+        self.run = run
+        self.arrived: dict[str, int] = {}  # request -> the first step it was in the engine
+        self.finish_step: dict[str, int] = {}  # request -> the step that computed its last token
+        done = {o.req_id for o in run.outputs.requests if o.finish_reason} if run.outputs else set()
+        for s in run.steps:
+            if s.scheduler:
+                for r in s.scheduler.scheduled:
+                    if r.req_id in done:
+                        self.finish_step[r.req_id] = s.index
+        self.states: dict[int, StepState] = {}
+        self._rebuild()
+
+    def _rebuild(self) -> None:
+        # The driver (engine/run.py _drive) adds, before engine step d+1, every request with arrival_step <= d,
+        # and the next one whatever its arrival_step when the engine has nothing unfinished; in request order.
+        pending = sorted(self.run.meta.requests, key=lambda r: r.arrival_step)
+        waiting: list[str] = []
+        running: list[str] = []
+        finished: set[str] = set()
+        for s in self.run.steps:
+            d = s.index - 1
+            while pending and (pending[0].arrival_step <= d or not (set(self.arrived) - finished)):
+                rid = pending.pop(0).req_id
+                self.arrived[rid] = s.index
+                waiting.append(rid)
+            sch = s.scheduler
+            if sch is None:
+                continue
+            st = StepState(s.index, list(waiting), list(running),
+                           consistent=(len(waiting), len(running)) == (sch.waiting_before, sch.running_before))
+            victims = [p.req_id for p in sch.preempted]
+            for v in victims:  # the running loop pops victims from the tail (FCFS)
+                st.victims_last &= bool(running) and running[-1] == v
+                if v in running:
+                    running.remove(v)
+            admitted = {r.req_id for r in sch.scheduled if r.kind in ("new", "resumed")}
+            st.admitted = [w for w in waiting if w in admitted]
+            if set(st.admitted) != set(waiting[: len(admitted)]):
+                st.consistent = False  # admission is FCFS from the head: anything else is not this model
+            st.left = [w for w in waiting if w not in admitted]
+            running += st.admitted
+            st.running_after = list(running)
+            waiting = list(st.left)
+            for v in victims:  # each victim is prepended (sched-preempt-prepend)
+                waiting.insert(0, v)
+            for rid in [r for r in running if self.finish_step.get(r) == s.index]:
+                running.remove(rid)
+                finished.add(rid)
+            self.states[s.index] = st
+
+
+# --- the explanation ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Explanation:
+    run: str
+    pin: str
+    level: str
+    subject: str  # "request r2", "step 38", "cache"
+    lines: list[Line]
+    table: list[dict] = field(default_factory=list)  # --cache rows
+
+    def summary(self, lang: str = "en", limit: int = 8) -> list[str]:
+        """A few lines: the turns that matter (waits, preemptions, resumes, why the cache missed, the finish), not
+        every chunk; a miss line stands for the zero-hit line before it."""
+        keep = [ln for ln in self.lines if ln.topic in ("wait", "preempt", "resume", "cache", "finish", "level")
+                and ln.cause not in ("no_hit", None)]
+        out = [_prefix(ln, lang) + ln.text(lang) for ln in keep]
+        return out if len(out) <= limit else out[: limit - 1] + [MORE[lang].format(n=len(out) - limit + 1)]
+
+    def to_json(self, lang: str = "en") -> dict:
+        return {"run": self.run, "pin": self.pin, "level": self.level, "subject": self.subject, "lang": lang,
+                "lines": [ln.to_json(lang) for ln in self.lines],
+                **({"cache": [{k: v for k, v in row.items() if k != "lines"} | {"texts": [ln.text(lang) for ln in row["lines"]]}
+                              for row in self.table]} if self.table else {})}
+
+
+STEP = {"en": ("step {a}: ", "steps {a}-{b}: "), "zh": ("第 {a} 步：", "第 {a}-{b} 步：")}
+
+
+def _prefix(ln: Line, lang: str = "en") -> str:
+    if not ln.steps:
+        return ""
+    a, b = ln.steps
+    return STEP[lang][a != b].format(a=a, b=b)
+
+
+class _Explainer:
+    def __init__(self, run: Run):
+        if not run.steps or not any(s.scheduler for s in run.steps):
+            raise TourError(f"{run.path.name} has no scheduler records to explain")
+        self.run = run
+        self.tl = _Timeline(run)
+        self.blocks = levels.has(run.meta.level, "blocks") and any(s.kv for s in run.steps)
+        e = run.meta.engine_args
+        self.bs = next((s.kv.block_size for s in run.steps if s.kv), None) or e.get("block_size") or 16
+        self.policy = str(e.get("scheduling_policy", "fcfs"))
+        self.chunked = e.get("enable_chunked_prefill", True) is not False
+        self.max_active = e.get("max_num_active_seqs")
+        self.threshold = e.get("long_prefill_token_threshold") or (e.get("extra") or {}).get("long_prefill_token_threshold")
+        self.prompt_len = {r.req_id: len(r.prompt_token_ids or []) for r in run.meta.requests}
+        outs = {o.req_id: o for o in run.outputs.requests} if run.outputs else {}
+        self.outputs = outs
+        self.seq = {r.req_id: list(r.prompt_token_ids or []) + list(outs[r.req_id].token_ids if r.req_id in outs else [])
+                    for r in run.meta.requests}
+        self.sched_rows: dict[str, list[tuple[int, object]]] = {}
+        for s in run.steps:
+            if s.scheduler:
+                for r in s.scheduler.scheduled:
+                    self.sched_rows.setdefault(r.req_id, []).append((s.index, r))
+        self._cache = _CacheSim(self) if self.blocks else None
+
+    # -- numbers the sentences use
+
+    def tokens_at(self, rid: str, step: int) -> int:
+        """The request's num_tokens (prompt + outputs so far) while it waits at `step`: the next scheduled row
+        records it (outputs do not grow while waiting); before any row, the prompt."""
+        rows = self.sched_rows.get(rid, [])
+        nxt = next((r for i, r in rows if i >= step), None)
+        if nxt is not None:
+            return nxt.num_prompt_tokens + nxt.num_output_tokens
+        last = rows[-1][1] if rows else None
+        if last is None:
+            return self.prompt_len.get(rid, 0)
+        done = last.num_computed_tokens + last.num_scheduled_tokens
+        own = last.num_prompt_tokens + last.num_output_tokens
+        return own + (1 if done >= own else 0)  # a step that finished its prefill (or a decode) sampled one token
+
+    def max_running(self, step) -> int:
+        m = step.scheduler.max_num_seqs
+        return min(m, self.max_active) if self.max_active else m
+
+    @staticmethod
+    def users(sch) -> str:
+        return ", ".join(f"{r.req_id} {r.num_scheduled_tokens}" for r in sch.scheduled) or "nobody"
+
+    # -- why a request got no tokens at a step
+
+    def wait_line(self, rid: str, step) -> Line:
+        sch, st = step.scheduler, self.tl.states.get(step.index)
+        n = step.index
+        budget_left = sch.token_budget - sch.tokens_scheduled
+        waiting = st is not None and rid in st.left
+        running = st is not None and rid in st.running and rid not in {p.req_id for p in sch.preempted}
+        if st is None or not st.consistent or not (waiting or running):
+            return Line("wait", "wait_unknown", {"queue": "", "why": {"en": "its place in the queues is not known here", "zh": "此处无法确定它在队列中的位置"}},
+                        ["scheduler.waiting_before", "scheduler.running_before"], [], "unknown", (n, n),
+                        sub=[("queue", ("queue_mismatch", {}))] if st is not None and not st.consistent else [])
+        if running:
+            if budget_left <= 0:
+                return Line("wait", "wait_running_budget", {"used": sch.tokens_scheduled, "budget": sch.token_budget,
+                                                              "users": self.users(sch)},
+                            ["scheduler.token_budget", "scheduler.tokens_scheduled", "scheduler.scheduled"],
+                            ["sched-budget-init", "sched-running-loop"], "token_budget", (n, n))
+            return Line("wait", "wait_unknown", {"queue": {"en": " while running", "zh": "（运行中）"},
+                                                 "why": {"en": f"{budget_left} tokens of the budget left", "zh": f"预算还剩 {budget_left} 个 token"}},
+                        ["scheduler.token_budget", "scheduler.tokens_scheduled"], [], "unknown", (n, n))
+        if sch.preempted:
+            return Line("wait", "wait_preempt_gate", {"victims": ", ".join(p.req_id for p in sch.preempted)},
+                        ["scheduler.preempted"], ["sched-waiting-gate"], "preempt_gate", (n, n))
+        if budget_left <= 0:
+            return Line("wait", "wait_budget", {"used": sch.tokens_scheduled, "budget": sch.token_budget, "users": self.users(sch)},
+                        ["scheduler.token_budget", "scheduler.tokens_scheduled", "scheduler.scheduled"],
+                        ["sched-budget-init", "sched-token-budget-config"], "token_budget", (n, n))
+        if len(st.running_after) >= self.max_running(step):
+            return Line("wait", "wait_max_running", {"running": len(st.running_after), "max": self.max_running(step)},
+                        ["scheduler.running_after", "scheduler.max_num_seqs"], ["sched-max-active"], "max_running", (n, n))
+        head = st.left[0]
+        if rid == head:
+            tokens = self.tokens_at(rid, n)
+            if not self.chunked and tokens > budget_left:
+                return Line("wait", "wait_no_chunking", {"owed": tokens, "left": budget_left},
+                            ["scheduler.token_budget", "scheduler.tokens_scheduled", "meta.engine_args"],
+                            ["sched-no-chunking-break"], "no_chunking", (n, n))
+            if step.kv is None:
+                return Line("wait", "wait_kv_nolevel", {"left": budget_left, "running": len(st.running_after),
+                                                         "max": self.max_running(step), "level": self.run.meta.level},
+                            ["scheduler.token_budget", "scheduler.tokens_scheduled", "scheduler.running_after"],
+                            ["sched-waiting-alloc-fail", "kvm-reserve-full-isl"], "kv_blocks", (n, n))
+            need, free = ceil(tokens / self.bs), step.kv.free_blocks
+            if need <= free:  # the rule says it would have fit: do not claim a cause the numbers contradict
+                return Line("wait", "wait_unknown", {"queue": {"en": " at the head of the waiting queue", "zh": "（位于等待队列队首）"},
+                                                     "why": {"en": f"{tokens} tokens need at most {need} blocks and {free} were free",
+                                                             "zh": f"{tokens} 个 token 最多只需 {need} 块，而空闲的有 {free} 块"}},
+                            ["kv.free_blocks", "kv.block_size"], [], "unknown", (n, n))
+            return Line("wait", "wait_kv", {"tokens": tokens, "bs": self.bs, "need": need, "free": free},
+                        ["kv.free_blocks", "kv.block_size", "scheduler.scheduled[].num_prompt_tokens",
+                         "scheduler.scheduled[].num_output_tokens"],
+                        ["kvm-reserve-full-isl", "kvm-alloc-fail", "sched-waiting-alloc-fail"], "kv_blocks", (n, n))
+        fits = []
+        if step.kv is not None:
+            tokens = self.tokens_at(rid, n)
+            need, free = ceil(tokens / self.bs), step.kv.free_blocks
+            if need <= free:
+                fits = [("fits", ("hol_fits", {"rid": rid, "need": need, "tokens": tokens, "free": free}))]
+        return Line("wait", "wait_hol", {"head": head, "fits": ""}, ["scheduler.scheduled", "meta.requests"] +
+                    (["kv.free_blocks"] if fits else []), ["sched-waiting-alloc-fail", "sched-fcfs-queue"],
+                    "head_of_line", (n, n), sub=fits)
+
+    # -- the story of one request
+
+    def request(self, rid: str) -> Explanation:
+        run = self.run
+        if rid not in run.request_ids():
+            raise TourError(f"no request {rid!r} in {run.path.name} (requests: {', '.join(run.request_ids())})")
+        lines: list[Line] = []
+        spec = next(r for r in run.meta.requests if r.req_id == rid)
+        arrived = self.tl.arrived.get(rid)
+        if arrived is not None:
+            early = arrived < spec.arrival_step + 1
+            lines.append(Line("arrival", "arrival_early" if early else "arrival",
+                              {"step": arrived, "arrival": spec.arrival_step, "tokens": self.prompt_len.get(rid, 0)},
+                              ["meta.requests[].arrival_step", "meta.requests[].prompt_token_ids"], ["sched-add-request"]))
+        rows = dict(self.sched_rows.get(rid, []))
+        preempted_at = {s.index: p for s in run.steps if s.scheduler for p in s.scheduler.preempted if p.req_id == rid}
+        end = self.tl.finish_step.get(rid, run.steps[-1].index)
+        last_preempt = None
+        for s in run.steps:
+            n = s.index
+            if arrived is None or n < arrived or n > end or s.scheduler is None:
+                continue
+            if n in preempted_at:
+                lines.append(self.preempt_line(rid, s, preempted_at[n]))
+                last_preempt = n
+                continue
+            for p in s.scheduler.preempted:
+                if p.while_allocating_for == rid and p.req_id != rid:
+                    lines.append(Line("preempt", "preempted_other", {"step": n, "asked": p.num_tokens_requested,
+                                                                      "free": p.free_blocks_at_failure, "victim": p.req_id,
+                                                                      "lost": p.num_computed_tokens_lost},
+                                      ["scheduler.preempted[].while_allocating_for", "scheduler.preempted[].num_tokens_requested",
+                                       "scheduler.preempted[].free_blocks_at_failure"],
+                                      ["sched-allocate-running", "sched-pick-victim"], "preempted_for", (n, n)))
+            r = rows.get(n)
+            if r is None:
+                lines.append(self.wait_line(rid, s))
+                continue
+            if r.kind in ("new", "resumed"):
+                tokens = r.num_prompt_tokens + r.num_output_tokens
+                if r.kind == "resumed" and last_preempt is not None:
+                    lines.append(Line("resume", "resume", {"step": n, "waited": n - last_preempt, "hit": r.num_computed_tokens,
+                                                           "tokens": tokens, "recompute": tokens - r.num_computed_tokens},
+                                      ["scheduler.scheduled[].kind", "scheduler.scheduled[].num_computed_tokens"],
+                                      ["sched-admit", "sched-preempt-reset", "sched-prefix-lookup"], "resumed", (n, n)))
+                else:
+                    lines.append(Line("admit", "admit", {"step": n, "kind": KIND_WORDS[r.kind], "computed": r.num_computed_tokens,
+                                                         "tokens": tokens, "scheduled": r.num_scheduled_tokens},
+                                      ["scheduler.scheduled[].kind", "scheduler.scheduled[].num_computed_tokens",
+                                       "scheduler.scheduled[].num_scheduled_tokens"], ["sched-admit", "sched-prefix-lookup"],
+                                      r.kind, (n, n)))
+                lines += self.cache_lines(rid, s, r)
+            chunk = self.chunk_line(rid, s, r)
+            if chunk is not None:
+                lines.append(chunk)
+        lines += self.finish_lines(rid)
+        if not rows:
+            lines.append(Line("finish", "never_scheduled", {}, ["scheduler.scheduled"], []))
+        if not self.blocks:
+            lines.append(Line("level", "level", {"level": run.meta.level, "what": ""}, ["meta.level"], [],
+                              sub=[("what", ("level_what", {}))]))
+        return Explanation(run.path.name, run.meta.pin, run.meta.level, f"request {rid}", _merge(lines))
+
+    def preempt_line(self, rid: str, s, p) -> Line:
+        n = s.index
+        st = self.tl.states.get(n)
+        if self.policy == "priority":
+            rule, notes, cause = ("rule_priority", {}), ["sched-pick-victim"], "victim_priority"
+        elif p.while_allocating_for == rid:
+            rule, notes, cause = ("rule_self", {"rid": rid}), ["sched-preempt-self", "sched-pick-victim"], "victim_self"
+        elif st is not None and st.consistent and st.victims_last:
+            rule = ("rule_last", {"rid": rid, "running": "[" + ", ".join(st.running) + "]"})
+            notes, cause = ["sched-pick-victim", "sched-queues"], "victim_last_running"
+        else:
+            rule, notes, cause = ("rule_unverified", {}), ["sched-pick-victim"], "victim_unverified"
+        return Line("preempt", "preempt", {"step": n, "for_": p.while_allocating_for or "?", "asked": p.num_tokens_requested,
+                                            "free": p.free_blocks_at_failure, "rule": "", "lost": p.num_computed_tokens_lost,
+                                            "blocks": p.freed_block_ids},
+                    ["scheduler.preempted[].while_allocating_for", "scheduler.preempted[].num_tokens_requested",
+                     "scheduler.preempted[].free_blocks_at_failure", "scheduler.preempted[].num_computed_tokens_lost",
+                     "scheduler.preempted[].freed_block_ids"],
+                    ["sched-allocate-running", *notes, "sched-preempt-reset", "sched-preempt-prepend"], cause, (n, n),
+                    sub=[("rule", rule)])
+
+    def chunk_line(self, rid: str, s, r) -> Line | None:
+        if not r.is_prefill:
+            return None
+        n, sch = s.index, s.scheduler
+        owed = r.num_prompt_tokens + r.num_output_tokens - r.num_computed_tokens
+        chunk = r.num_scheduled_tokens
+        fields = ["scheduler.scheduled[].num_scheduled_tokens", "scheduler.scheduled[].num_computed_tokens",
+                  "scheduler.scheduled[].num_prompt_tokens"]
+        if chunk >= owed:
+            first = r.kind in ("new", "resumed")
+            return None if first else Line("chunk", "chunk_last", {"step": n, "chunk": chunk}, fields,
+                                            ["sched-running-clamp"], "last_chunk", (n, n))
+        left = sch.token_budget - sch.tokens_scheduled
+        if left <= 0:
+            others = [x for x in sch.scheduled if x.req_id != rid]
+            return Line("chunk", "chunk_budget", {"step": n, "chunk": chunk, "owed": owed, "budget": sch.token_budget,
+                                                  "others": sum(x.num_scheduled_tokens for x in others),
+                                                  "users": ", ".join(f"{x.req_id} {x.num_scheduled_tokens}" for x in others) or "nobody"},
+                        fields + ["scheduler.token_budget", "scheduler.tokens_scheduled"],
+                        ["sched-running-clamp", "sched-budget-init"], "chunk_budget", (n, n))
+        if self.threshold and chunk == self.threshold:
+            return Line("chunk", "chunk_threshold", {"step": n, "chunk": chunk, "owed": owed, "threshold": self.threshold},
+                        fields + ["meta.engine_args"], ["sched-long-prefill-threshold"], "chunk_threshold", (n, n))
+        return Line("chunk", "chunk_unknown", {"step": n, "chunk": chunk, "owed": owed, "left": left}, fields, [],
+                    "unknown", (n, n))
+
+    def cache_lines(self, rid: str, s, r) -> list[Line]:
+        n = s.index
+        tokens = r.num_prompt_tokens + r.num_output_tokens
+        hit = r.num_computed_tokens
+        if s.kv is not None and not s.kv.prefix_caching or self.run.meta.engine_args.get("enable_prefix_caching") is False:
+            return [Line("cache", "cache_off", {"tokens": tokens}, ["kv.prefix_caching", "meta.engine_args"],
+                         ["fe-block-hasher-origin"], "cache_off", (n, n))]
+        cap = tokens - 1
+        cacheable = (cap // self.bs) * self.bs
+        blocks = next((h.block_ids for h in s.kv.prefix_hits if h.req_id == rid), []) if s.kv else []
+        out = [Line("cache", "cache_hit", {"step": n, "hit": hit, "tokens": tokens, "blocks": blocks, "cacheable": cacheable},
+                    ["scheduler.scheduled[].num_computed_tokens", "kv.prefix_hits"], ["sched-prefix-lookup", "kvm-longest-hit"],
+                    "hit" if hit else "no_hit", (n, n))]
+        if hit < cacheable:
+            out += self._cache.miss(rid, n, hit, tokens) if self._cache else []
+        if tokens - cacheable > 0:
+            out.append(Line("cache", "cache_uncacheable" if cacheable else "cache_too_short",
+                            {"rest": tokens - cacheable, "cap": cap, "bs": self.bs, "tokens": tokens},
+                            ["scheduler.scheduled[].num_prompt_tokens", "kv.block_size"],
+                            ["kvm-hit-cap", "kvm-hash-full-only"], "partial_block", (n, n)))
+        return out
+
+    def finish_lines(self, rid: str) -> list[Line]:
+        o = self.outputs.get(rid)
+        last = self.tl.finish_step.get(rid)
+        if o is None or last is None:
+            return [Line("finish", "unfinished", {"status": self.run.meta.status}, ["meta.status", "outputs"], [])]
+        spec = next(r for r in self.run.meta.requests if r.req_id == rid)
+        if o.finish_reason == "length":
+            at_len = len(o.token_ids) >= spec.max_tokens
+            reason = ("finish_length", {"max": spec.max_tokens}) if at_len else ("finish_model_len", {})
+        elif o.finish_reason == "stop":
+            reason = ("finish_stop", {})
+        else:
+            reason = ("finish_other", {"reason": o.finish_reason})
+        later = any(s.index == last + 1 for s in self.run.steps)
+        freed = ("freed_at", {"step": last + 1}) if later else ("", {})
+        return [Line("finish", "finish", {"step": last, "reason": "", "generated": len(o.token_ids), "freed": ""},
+                     ["outputs.requests[].finish_reason", "outputs.requests[].token_ids", "scheduler.finished"],
+                     ["sched-check-stop", "sched-finish-free"], o.finish_reason, (last, last),
+                     sub=[("reason", reason), ("freed", freed)])]
+
+    # -- one step
+
+    def step(self, index: int) -> Explanation:
+        s = self.run.step(index)
+        sch = s.scheduler
+        if sch is None:
+            raise TourError(f"step {index} of {self.run.path.name} has no scheduler record")
+        lines: list[Line] = []
+        lines.append(Line("budget", "step_budget", {"step": index, "budget": sch.token_budget, "used": sch.tokens_scheduled,
+                                                     "users": " + ".join(f"{r.req_id} {r.num_scheduled_tokens}" for r in sch.scheduled) or "0",
+                                                     "left": sch.token_budget - sch.tokens_scheduled},
+                          ["scheduler.token_budget", "scheduler.tokens_scheduled", "scheduler.scheduled"], ["sched-budget-init"]))
+        for r in sch.scheduled:
+            if r.kind in ("new", "resumed"):
+                lines.append(Line("admit", "admit", {"step": index, "kind": KIND_WORDS[r.kind], "computed": r.num_computed_tokens,
+                                                     "tokens": r.num_prompt_tokens + r.num_output_tokens,
+                                                     "scheduled": r.num_scheduled_tokens},
+                                  ["scheduler.scheduled[].kind", "scheduler.scheduled[].num_computed_tokens"],
+                                  ["sched-admit", "sched-prefix-lookup"], r.kind, (index, index), who=r.req_id))
+            chunk = self.chunk_line(r.req_id, s, r)
+            if chunk is not None:
+                chunk.who = r.req_id
+                lines.append(chunk)
+        for p in sch.preempted:
+            ln = self.preempt_line(p.req_id, s, p)
+            ln.who = p.req_id
+            lines.append(ln)
+        st = self.tl.states.get(index)
+        scheduled = {r.req_id for r in sch.scheduled}
+        if st is not None:
+            victims = {p.req_id for p in sch.preempted}
+            for rid in [r for r in st.running if r not in scheduled and r not in victims] + st.left:
+                ln = self.wait_line(rid, s)
+                ln.who = rid
+                lines.append(ln)
+        if sch.finished:
+            lines.append(Line("finish", "step_finished", {"who": ", ".join(sch.finished)}, ["scheduler.finished", "kv.freed"],
+                              ["sched-finish-free"]))
+        if not self.blocks:
+            lines.append(Line("level", "level", {"level": self.run.meta.level, "what": ""}, ["meta.level"], [],
+                              sub=[("what", ("level_what", {}))]))
+        return Explanation(self.run.path.name, self.run.meta.pin, self.run.meta.level, f"step {index}", lines)
+
+    # -- the prefix cache, per admission
+
+    def cache(self) -> Explanation:
+        rows, lines = [], []
+        for s in self.run.steps:
+            if not s.scheduler:
+                continue
+            for r in s.scheduler.scheduled:
+                if r.kind not in ("new", "resumed"):
+                    continue
+                found = self.cache_lines(r.req_id, s, r)
+                causes = [ln for ln in found if ln.key not in ("cache_hit",)]
+                rows.append({"request": r.req_id, "step": s.index, "kind": r.kind,
+                             "tokens": r.num_prompt_tokens + r.num_output_tokens, "prompt_tokens": r.num_prompt_tokens,
+                             "hit_tokens": r.num_computed_tokens,
+                             "causes": [ln.cause for ln in causes], "lines": causes})
+                for ln in found:
+                    ln.who = r.req_id
+                lines += found
+        if not self.blocks:
+            lines.append(Line("level", "level", {"level": self.run.meta.level, "what": ""}, ["meta.level"], [],
+                              sub=[("what", ("level_what", {}))]))
+        return Explanation(self.run.path.name, self.run.meta.pin, self.run.meta.level, "cache", lines, rows)
+
+
+MSG.update({
+    "step_budget": {
+        "en": "budget {budget} tokens; {users} = {used}; {left} left",
+        "zh": "预算 {budget} 个 token；{users} = {used}；剩余 {left}",
+    },
+    "step_finished": {
+        "en": "finished before this step, their blocks freed now: {who}",
+        "zh": "在本步之前结束、其块在本步释放的请求：{who}",
+    },
+})
+
+
+
+# --- the prefix cache, rebuilt from block tables ----------------------------------------------------------------
+
+
+class _CacheSim:
+    """Which token prefixes the prefix cache held at each step, from block tables, allocations and evictions.
+
+    A block's hash identifies its whole prefix (kvm-hash-chain), so the key of block i of a sequence is the
+    sequence's first (i+1)*block_size tokens. A block is cached once the tokens computed through the step fill it
+    (kvm-cache-blocks, only full blocks: kvm-hash-full-only) and stays cached, even when freed, until it is
+    evicted (pool-evict-on-reuse). Cache salt, LoRA and multimodal extra keys are not recorded: scenarios set none.
+    """
+
+    def __init__(self, ex: _Explainer):
+        self.ex = ex
+        self.bs = ex.bs
+        # key -> [(step cached, block, owner, step evicted or None)]
+        self.history: dict[tuple, list[list]] = {}
+        self.evicted_by: dict[tuple[int, int], str] = {}  # (step, block) -> request that got the block
+        live: dict[int, tuple] = {}  # block -> key it holds now
+        for s in ex.run.steps:
+            if s.kv is None or s.scheduler is None:
+                continue
+            for rid, ids in s.kv.allocated.items():
+                for b in ids:
+                    self.evicted_by.setdefault((s.index, b), rid)
+            for b in s.kv.evicted:
+                key = live.pop(b, None)
+                if key is not None:
+                    for h in self.history[key]:
+                        if h[1] == b and h[3] is None:
+                            h[3] = s.index
+            for r in s.scheduler.scheduled:
+                seq, table = ex.seq.get(r.req_id, []), s.kv.block_tables.get(r.req_id, [])
+                full = min(r.num_computed_tokens + r.num_scheduled_tokens, len(seq)) // self.bs
+                for i in range(min(full, len(table))):
+                    key = tuple(seq[: (i + 1) * self.bs])
+                    b = table[i]
+                    if live.get(b) == key:
+                        continue
+                    live[b] = key
+                    self.history.setdefault(key, []).append([s.index, b, r.req_id, None])
+
+    def miss(self, rid: str, step: int, hit: int, tokens: int) -> list[Line]:
+        seq = self.ex.seq.get(rid, [])
+        i = hit // self.bs
+        a, b = i * self.bs, (i + 1) * self.bs - 1
+        fields = ["kv.block_tables", "kv.allocated", "kv.evicted", "scheduler.scheduled[].num_computed_tokens",
+                  "meta.requests[].prompt_token_ids", "outputs.requests[].token_ids"]
+        base = {"i": i, "a": a, "b": b}
+        if len(seq) < b + 1:
+            return [Line("cache", "miss_unknown", {**base, "why": {"en": "the request's tokens are not all recorded", "zh": "该请求的 token 没有全部记录"}}, fields, [],
+                         "unknown", (step, step))]
+        key = tuple(seq[: b + 1])
+        hist = self.history.get(key, [])
+        before = [h for h in hist if h[0] < step]
+        chain = (tokens - 1) // self.bs > i + 1
+        tail = [Line("cache", "miss_chain", {}, [], ["kvm-longest-hit", "kvm-hash-chain"], None, (step, step))] if chain else []
+        if before:
+            gone = [h for h in before if h[3] is not None and h[3] <= step]
+            if len(gone) == len(before):
+                h = max(gone, key=lambda h: h[3])
+                by = self.evicted_by.get((h[3], h[1]), "?")
+                return [Line("cache", "miss_evicted", {**base, "block": h[1], "owner": h[2], "step": h[3], "by": by},
+                             fields, ["pool-evict-on-reuse", "pool-free-order", "kvm-free-reverse"], "evicted",
+                             (step, step))] + tail
+            return [Line("cache", "miss_unknown", {**base, "why": {"en": "the rebuilt cache still held these tokens", "zh": "重建的缓存中这些 token 仍在"}}, fields, [],
+                         "unknown", (step, step))]
+        same = [h for h in hist if h[0] == step and h[2] != rid]
+        if same:
+            return [Line("cache", "miss_same_step", {**base, "other": same[0][2]}, fields,
+                         ["kvm-cache-blocks", "sched-waiting-alloc-fail"], "same_step", (step, step))] + tail
+        later = [h for h in hist if h[0] > step and h[2] != rid]
+        if later:
+            return [Line("cache", "miss_later", {**base, "other": later[0][2], "step": later[0][0]}, fields,
+                         ["kvm-cache-blocks"], "not_yet_computed", (step, step))] + tail
+        return [Line("cache", "miss_first", base, fields, ["kvm-hash-chain", "kvm-longest-hit"], "never_computed",
+                     (step, step))] + tail
+
+
+def _merge(lines: list[Line]) -> list[Line]:
+    """Consecutive steps with the same sentence (same cause, same numbers) become one line over a step range."""
+    out: list[Line] = []
+    for ln in lines:
+        prev = out[-1] if out else None
+        if (prev is not None and ln.topic == "wait" and prev.topic == "wait" and prev.key == ln.key
+                and prev.sub == ln.sub and _same(prev.params, ln.params) and prev.steps and ln.steps
+                and ln.steps[0] == prev.steps[1] + 1):
+            prev.steps = (prev.steps[0], ln.steps[1])
+            continue
+        out.append(ln)
+    return out
+
+
+def _same(a: dict, b: dict) -> bool:
+    return {k: v for k, v in a.items() if k != "step"} == {k: v for k, v in b.items() if k != "step"}
+
+
+# --- entry points ---------------------------------------------------------------------------------------------------
+
+
+def explain(run: Run, request: str | None = None, step: int | None = None, cache: bool = False) -> Explanation:
+    """The explanation of one request's life, one step, or the run's prefix-cache outcomes (exactly one)."""
+    if sum(x is not None and x is not False for x in (request, step, cache)) != 1:
+        raise TourError("give exactly one of --request R, --step N, --cache")
+    ex = _Explainer(run)
+    if request is not None:
+        return ex.request(request)
+    if step is not None:
+        return ex.step(step)
+    return ex.cache()
+
+
+def request_summary(run: Run, rid: str, lang: str = "en", limit: int = 8) -> list[str]:
+    """The few lines `show --request R` prints under the request's steps ([] for a run without scheduler records:
+    nothing to explain, and `show` still shows what the run has)."""
+    if not any(s.scheduler for s in run.steps):
+        return []
+    return explain(run, request=rid).summary(lang, limit)
+
+
+# --- the terminal --------------------------------------------------------------------------------------------------
+
+HEAD = {
+    "en": "explain {run} · {subject} · pin {pin} · level {level}",
+    "zh": "解释 {run} · {subject} · 版本 {pin} · 记录级别 {level}",
+}
+EVIDENCE = {"en": "fields", "zh": "字段"}
+RULES = {"en": "rules", "zh": "规则"}
+SOURCE_HINT = {
+    "en": "each rule is a note on the pinned source: vllm-tour source QUALNAME shows it beside the code (note ids as above)",
+    "zh": "每条规则都是固定版本源码上的一条注解：vllm-tour source QUALNAME 会把它显示在代码旁（注解 id 如上）",
+}
+
+
+def note_marks(pin: str) -> dict[str, str]:
+    """note id -> "" where the note holds on `pin`, else a mark saying it is not checked there or does not apply
+    (a rule whose code differs between releases is shown as the notes state it per pin, never assumed)."""
+    from vllm_tour.notes.annotations import all_notes, load_all
+
+    marks = {}
+    for n in all_notes(load_all()):
+        status = n.status_on(pin)
+        marks[n.id] = {"applies": "", "variant": "", "not_applicable": f" [not on {pin}]"}.get(status, f" [unchecked on {pin}]")
+    return marks
+
+
+def check_lang(lang: str) -> str:
+    if lang not in LANGS:
+        raise TourError(f"--lang {lang!r}: choose one of {', '.join(LANGS)}")
+    return lang
+
+
+def render(ex: Explanation, console, lang: str = "en") -> None:
+    from rich.markup import escape
+    from rich.table import Table
+
+    console.print(HEAD[lang].format(run=ex.run, subject=ex.subject, pin=ex.pin, level=ex.level), style="bold")
+    marks = note_marks(ex.pin)
+    if ex.table:
+        t = Table(title_justify="left")
+        for c in ("request", "step", "kind", "tokens", "hit", "miss causes"):
+            t.add_column(c, overflow="fold")
+        for row in ex.table:
+            t.add_row(row["request"], str(row["step"]), row["kind"], str(row["tokens"]), str(row["hit_tokens"]),
+                      "; ".join(escape(ln.text(lang)) for ln in row["lines"]) or "-")
+        console.print(t)
+    for ln in ex.lines:
+        if ex.table and ln.topic == "cache":
+            continue  # already in the table
+        who = f"{ln.who}: " if ln.who else ""
+        console.print(escape(_prefix(ln, lang) + who + ln.text(lang)), highlight=False)
+        if ln.fields or ln.notes:
+            bits = ([f"{EVIDENCE[lang]} {', '.join(ln.fields)}"] if ln.fields else []) + \
+                   ([f"{RULES[lang]} {', '.join(n + marks.get(n, ' [no such note]') for n in ln.notes)}"] if ln.notes else [])
+            console.print("    " + escape(" · ".join(bits)), style="dim", highlight=False)
+    console.print(SOURCE_HINT[lang], style="dim")
