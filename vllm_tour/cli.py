@@ -353,6 +353,37 @@ def show(
 
 
 @app.command()
+def diff(
+    run_a: str = typer.Argument(..., metavar="RUN_A", help="A run directory, a name under traces/runs or traces/golden, or 'latest'."),
+    run_b: str = typer.Argument(..., metavar="RUN_B", help="The run to compare it with (same forms)."),
+    kinds: list[str] = typer.Option([], "--kinds", help="Compare only these record kinds (scheduler, kv, runner, attention, moe, "
+                                    "collective, capture, tp_shards, outputs); comma-separated or repeated. Default: every kind both runs hold."),
+    as_json: bool = flag("--json", help="Machine-readable report on stdout instead of the tables."),
+):
+    """Compare two runs step by step: the first step where they differ, every differing field there, then how much differs after.
+
+    Records are compared by content (batch and token counts, block tables, preemptions, finishes, runner
+    inputs, attention metadata; per request outputs) without wall-clock times and process ids; two releases,
+    or two configurations of one release, on the same scenario. Record kinds only one run holds (a lower
+    --level) are named and left out. Exit 0 equal, 1 different, 2 bad input.
+
+      vllm-tour diff traces/golden/preemption traces/golden/v0.21.0/preemption --kinds scheduler,kv,outputs
+    """
+    from vllm_tour.trace.reader import load_run
+    from vllm_tour.views.diff import check_kinds, diff_runs, render
+
+    only = check_kinds(kinds)  # bad input before any run is read
+    res = diff_runs(load_run(run_a), load_run(run_b), only)
+    if as_json:
+        import json
+
+        print(json.dumps(res.to_json(), indent=1, default=str))
+    else:
+        render(res, console)
+    raise typer.Exit(0 if res.equal else 1)
+
+
+@app.command()
 def export(
     run: str = typer.Argument("latest", help="A run directory, a name under traces/runs or traces/golden, or 'latest' (the last trace started)."),
     format: str = typer.Option("perfetto", "--format", "-f", help="perfetto: Chrome trace JSON for ui.perfetto.dev."),
