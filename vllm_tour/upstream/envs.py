@@ -345,7 +345,7 @@ def missing_env_hint(tag: str, version: str) -> str:
 
 def pin_rows(envs: list[EnvInfo]) -> list[tuple[str, ...]]:
     """`pin list`'s rows: every pin file and every environment, newest release first.
-    Columns: tag, release, pin file, environment, size, status, install."""
+    Columns: tag, release, pins/TAG.toml there?, environment, size, status, install time."""
     from vllm_tour.upstream.pins import available_pins, installed_vllm, load_pin
 
     inst = installed_vllm()
@@ -354,7 +354,7 @@ def pin_rows(envs: list[EnvInfo]) -> list[tuple[str, ...]]:
     for tag in sorted(set(available_pins()) | set(by_tag), key=_version_key, reverse=True):
         e = by_tag.get(tag)
         pin = load_pin(tag) if tag in available_pins() else None
-        pin_file = f"pins/{tag}.toml" if pin else "(none)"
+        pin_file = "yes" if pin else "no"
         if e is not None:
             release = f"{e.dist} {e.version}"
             where = f"envs/{e.tag}" if e.path.parent == envs_dir() else str(e.path)

@@ -293,13 +293,11 @@ def diff_runs(a: Run, b: Run, kinds: list[str] | None = None) -> RunDiff:
         if k in not_compared:
             continue
         if (k in ha) != (k in hb):
-            which, other = ("A", b) if k in ha else ("B", a)
-            why = f"only in {which}"
+            which, other, name = ("A", b, "B") if k in ha else ("B", a, "A")
             if k != "outputs":
-                why += f" (the other run was recorded at level {other.meta.level})"
+                not_compared[k] = f"only in {which}; {name} was recorded at level {other.meta.level}"
             else:
-                why += " (the other run did not finish)"
-            not_compared[k] = why
+                not_compared[k] = f"only in {which}; {name} did not finish"
     res = RunDiff(a, b, compared, not_compared, setup_diffs(a, b))
     ca = {s.index: step_content(s) for s in a.steps}
     cb = {s.index: step_content(s) for s in b.steps}
@@ -370,7 +368,10 @@ def render(res: RunDiff, console: Console) -> None:
             f"{d.field} {show_value(d.a)} vs {show_value(d.b)}" for d in res.setup)), highlight=False)
     line = "compared: " + (", ".join(res.compared) or "nothing")
     if res.not_compared:
-        line += "; not compared: " + ", ".join(f"{k} ({why})" for k, why in res.not_compared.items())
+        by_why: dict[str, list[str]] = {}
+        for k, why in res.not_compared.items():
+            by_why.setdefault(why, []).append(k)
+        line += "; not compared: " + "; ".join(f"{', '.join(ks)} ({why})" for why, ks in by_why.items())
     console.print(escape(line), highlight=False)
     for n in res.notes:
         console.print("[yellow]note:[/] " + escape(n))
