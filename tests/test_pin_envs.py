@@ -103,3 +103,11 @@ def test_repro_matrix_runs_each_repro_on_each_release(cli, release_env):
 def test_repro_matrix_bad_input(cli):
     r = cli("repro", "--matrix", "--pin", "v0.31.0")
     assert "repro --matrix runs on every release" in _one_line(r)
+
+
+def test_a_scenario_that_names_the_pin_runs_in_its_environment(cli, release_env, tmp_path):
+    sc = tmp_path / "on031.toml"
+    sc.write_text('name = "on031"\npin = "v0.31.0"\n\n[[requests]]\nid = "r0"\nprompt = "hello"\nmax_tokens = 3\n')
+    r = cli("trace", "--scenario", sc, "--out", tmp_path / "run", timeout=900)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert json.loads((tmp_path / "run" / "meta.json").read_text())["vllm_version"] == "0.31.0"

@@ -329,7 +329,7 @@ def trace(
 
       vllm-tour trace --scenario traces/scenarios/shared_prefix.toml --capture attn_out
     """
-    _run_in_pin_env(pin)
+    _run_in_pin_env(pin, scenario)
     from vllm_tour.engine import trace_command as command
 
     command.quiet_vllm(verbose)
@@ -530,7 +530,8 @@ def repro(
 
       vllm-tour repro --matrix                     # the library on every release (see `vllm-tour pin list`)
     """
-    _run_in_pin_env(pin)
+    if not matrix and not all_:
+        _run_in_pin_env(pin, scenario)
     from vllm_tour.engine.trace_command import quiet_vllm, says_where_when_interrupted
     from vllm_tour.repro.reproduce import render, run_repro
 
@@ -592,11 +593,16 @@ def lab_check(
 _ARGV: list[str] | None = None  # the arguments main() was given: what a pin's environment re-runs
 
 
-def _run_in_pin_env(pin: Optional[str]) -> None:
-    """--pin names a release whose environment `pin add` built and the running vLLM is another: run this same
-    command there (python -m vllm_tour, same arguments, this checkout on PYTHONPATH) and exit with its code."""
+def _run_in_pin_env(pin: Optional[str], scenario: Optional[Path] = None) -> None:
+    """--pin (else the scenario file's `pin`) names a release whose environment `pin add` built and the running vLLM
+    is another: run this same command there (python -m vllm_tour, same arguments, this checkout on PYTHONPATH) and
+    exit with its code."""
     from vllm_tour.upstream.envs import reexec, reexec_target
 
+    if pin is None and scenario is not None and scenario.is_file():
+        from vllm_tour.scenario import load_scenario
+
+        pin = load_scenario(scenario).pin  # a broken file is the same one error line the command would give
     target = reexec_target(pin)
     if target is not None:
         raise typer.Exit(reexec(target, _ARGV if _ARGV is not None else sys.argv[1:]))
