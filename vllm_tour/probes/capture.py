@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import re
 
-from vllm_tour.probes.base import Probe
+from vllm_tour.probes.base import CPU_PINS, Probe
 from vllm_tour.probes.kv_layout import CANONICAL_LAYOUT, cpu_canonical
 from vllm_tour.trace.schema import CaptureRecord
 from vllm_tour.trace.writer import RECORDER as R
 
-PINS = ("v0.32.0",)
+PINS = CPU_PINS
 CUDA_PINS = ("v0.21.0",)
 NAMES = ("attn_out", "kv_blocks")
 _LAYER = re.compile(r"layers\.(\d+)\.")

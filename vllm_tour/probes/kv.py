@@ -15,11 +15,11 @@ from __future__ import annotations
 from itertools import compress
 from operator import ne
 
-from vllm_tour.probes.base import Probe
+from vllm_tour.probes.base import CPU_PINS, Probe
 from vllm_tour.trace.writer import RECORDER as R
 from vllm_tour.trace.writer import user_req_id
 
-PINS = ("v0.32.0", "v0.21.0")
+PINS = (*CPU_PINS, "v0.21.0")
 KVM = "vllm.v1.core.kv_cache_manager.KVCacheManager"
 POOL = "vllm.v1.core.block_pool.BlockPool"
 

@@ -18,10 +18,10 @@ The experts kernel differs per pin: the CPU's `CPUUnquantizedExperts` on v0.32.0
 
 from __future__ import annotations
 
-from vllm_tour.probes.base import Probe
+from vllm_tour.probes.base import CPU_PINS, Probe
 from vllm_tour.trace.writer import RECORDER as R
 
-PINS = ("v0.32.0", "v0.21.0")
+PINS = (*CPU_PINS, "v0.21.0")
 RUNNER = "vllm.model_executor.layers.fused_moe.runner.moe_runner.MoERunner"
 CPU_EXPERTS = "vllm.model_executor.layers.fused_moe.experts.cpu_moe.CPUUnquantizedExperts"
 TRITON_EXPERTS = "vllm.model_executor.layers.fused_moe.experts.triton_moe.TritonExperts"
@@ -47,7 +47,7 @@ apply_quant_method = Probe(
     target=f"{RUNNER}._apply_quant_method",
     params=("self", "hidden_states", "router_logits"),
     records="which decoder layer's MoE block runs; the gate's router logits (only with --capture)",
-    pins=("v0.32.0",),
+    pins=CPU_PINS,
     before=_apply_before,
     role="worker",
     own_pins_only=True,
@@ -111,7 +111,7 @@ cpu_experts = Probe(
     target=f"{CPU_EXPERTS}.apply",
     params=_EXPERTS_PARAMS,
     records=_EXPERTS_RECORDS,
-    pins=("v0.32.0",),
+    pins=CPU_PINS,
     before=_experts_before,
     role="worker",
     own_pins_only=True,

