@@ -88,7 +88,8 @@ def served(tmp_path_factory):
     env = {**os.environ, "COLUMNS": "200", "NO_COLOR": "1", "PYTHONUNBUFFERED": "1"}
     t0 = time.monotonic()
     # Started as a shell starts `vllm-tour serve &`: SIGINT ignored. The SIGINT below must stop it all the same.
-    proc = subprocess.Popen([sys.executable, "-m", "vllm_tour", "serve", "--out", str(out)], cwd=REPO_ROOT, env=env,
+    # --level full: the streamed tokens are checked against the runner records of the CPU worker
+    proc = subprocess.Popen([sys.executable, "-m", "vllm_tour", "serve", "--level", "full", "--out", str(out)], cwd=REPO_ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     seen: list[str] = []
