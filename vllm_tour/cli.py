@@ -441,7 +441,7 @@ def probes(
     for col in ("probe", "target", "records", "pins", "") if not narrow else ("probe",):
         table.add_column(col, overflow="fold")
     bad = []
-    for p in probes_for(tag, platform=current_platform()):  # the pin's declarations, for its default attention backend
+    for p in probes_for(tag, platform=current_platform(), serve=None):  # the pin's declarations (serve's too), default backend
         try:
             resolve(p, tag)
             mark = "[green]ok[/]"

@@ -36,11 +36,12 @@ def current_platform() -> str | None:
 
 def probes_for(pin: str, backend: str | None = None, probes: list[Probe] | None = None,
                platform: str | None = None, tp_size: int | None = None, level: str = "full",
-               serve: bool | None = None) -> list[Probe]:
+               serve: bool | None = False) -> list[Probe]:
     """The declarations that apply on `pin` with attention backend `backend` (default: the pin's),
     in a run of `tp_size` ranks (None: not known; 1 leaves the multi-rank probes out), recording at
     trace level `level` (a probe whose records the level does not keep is left out), served or not
-    (`serve` False leaves the serve-only probes out; None: not known, all of them).
+    (`serve` False, the default, leaves the serve-only probes out; True needs them on `pin`; None, for
+    listings: those declared for `pin`).
 
     Probes without a backend apply on every pin (resolve() then refuses a pin they
     were not checked against), except `own_pins_only` ones, which apply on their pins only.
@@ -57,7 +58,8 @@ def probes_for(pin: str, backend: str | None = None, probes: list[Probe] | None 
         raise TourError(f"pin {pin} has probes for the attention backends {', '.join(profile.attention_backends)} "
                         f"(its profile in pins/{pin}.toml), not {backend}")
     probes = [p for p in probes if (not p.own_pins_only or pin in p.pins) and not (p.multi_rank and tp_size == 1)
-              and levels.has(level, p.level) and not (p.serve_only and serve is False)]
+              and levels.has(level, p.level)
+              and not (p.serve_only and (serve is False or (serve is None and pin not in p.pins)))]
     out = [p for p in probes if p.backend is None or (p.backend == backend and pin in p.pins and p.platform == platform)]
     chosen = {p.name for p in out}
     for name in dict.fromkeys(p.name for p in probes if p.backend is not None and p.name not in chosen):
@@ -70,7 +72,7 @@ def probes_for(pin: str, backend: str | None = None, probes: list[Probe] | None 
 
 def check_probes(pin: str, probes: list[Probe] | None = None, backend: str | None = None,
                  platform: str | None = None, tp_size: int | None = None, level: str = "full",
-                 serve: bool | None = None) -> list[Resolved]:
+                 serve: bool | None = False) -> list[Resolved]:
     """Resolve and signature-check every probe on `pin`; TourError names the first missing target."""
     return [resolve(p, pin) for p in probes_for(pin, backend, probes, platform, tp_size, level, serve)]
 

@@ -37,7 +37,7 @@ def check_static(pin: str, tree, backends: list[str | None] | None = None, probe
     seen: set[str] = set()
     for backend in backends:
         try:
-            chosen = probes_for(pin, backend, probes)
+            chosen = probes_for(pin, backend, probes, serve=None)
         except TourError as e:
             problems.append(str(e))
             continue
