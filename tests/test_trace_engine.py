@@ -116,19 +116,28 @@ def test_captures_are_safetensors_named_by_layer(trace_runs):
     assert kvc.block_ids == run.step(1).kv.block_tables["r0"]
 
 
+
+def _long_trace(out, **popen_kw) -> subprocess.Popen:
+    """`vllm-tour trace` of 900 tokens into `out`, in its own process group (a terminal's Ctrl-C reaches all of it)."""
+    cmd = [sys.executable, "-m", "vllm_tour.cli", "trace", "-r", "hello", "--max-tokens", "900", "--ignore-eos", "--out", str(out)]
+    return subprocess.Popen(cmd, cwd=REPO_ROOT, start_new_session=True, **popen_kw)
+
+
+def _wait_for_steps(out, lines: int = 40, timeout: float = 240) -> list:
+    """The run's records files once the first holds `lines` records: the engine is stepping."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        files = list(out.glob("records.*.jsonl"))
+        if files and files[0].read_text().count("\n") > lines:
+            return files
+        time.sleep(0.2)
+    pytest.fail("the traced run never got going")
+
 def test_sigkill_mid_run_leaves_a_trace_show_reads(tmp_path):
     out = tmp_path / "killed"
-    cmd = [sys.executable, "-m", "vllm_tour.cli", "trace", "-r", "hello", "--max-tokens", "900", "--ignore-eos", "--out", str(out)]
-    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = _long_trace(out, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.time() + 240
-        while time.time() < deadline:
-            files = list(out.glob("records.*.jsonl"))
-            if files and files[0].read_text().count("\n") > 40:
-                break
-            time.sleep(0.5)
-        else:
-            pytest.fail("the traced run never got going")
+        files = _wait_for_steps(out)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
@@ -145,18 +154,10 @@ def test_sigkill_mid_run_leaves_a_trace_show_reads(tmp_path):
 def test_ctrl_c_mid_run_says_where_the_partial_run_is_and_labels_it_interrupted(tmp_path):
     """SIGINT to the command's process group, as a terminal's Ctrl-C sends it, once steps are being written."""
     out = tmp_path / "interrupted"
-    cmd = [sys.executable, "-m", "vllm_tour.cli", "trace", "-r", "hello", "--max-tokens", "900", "--ignore-eos", "--out", str(out)]
-    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, env={**os.environ, "VLLM_TOUR_RUNS": str(tmp_path / "runs")})
+    proc = _long_trace(out, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                       env={**os.environ, "VLLM_TOUR_RUNS": str(tmp_path / "runs")})
     try:
-        deadline = time.time() + 240
-        while time.time() < deadline:
-            files = list(out.glob("records.*.jsonl"))
-            if files and files[0].read_text().count("\n") > 40:
-                break
-            time.sleep(0.2)
-        else:
-            pytest.fail("the traced run never got going")
+        _wait_for_steps(out)
         os.killpg(proc.pid, signal.SIGINT)
         stdout, stderr = proc.communicate(timeout=60)
     finally:
