@@ -479,6 +479,26 @@ def show(
 
 
 @app.command()
+def watch(
+    run: str = typer.Argument("latest", help="A run directory, a name under traces/runs, or 'latest' (the last trace or serve started)."),
+    interval: float = typer.Option(0.5, "--interval", help="Seconds between redraws (at most 0.5: twice a second or more)."),
+    max_seconds: Optional[float] = typer.Option(None, "--max-seconds", help="Stop watching after this long even if the run goes on."),
+):
+    """Watch a run being written, live: step rate, queues, KV usage and the block grid, the last preemptions
+    and prefix-cache hits. It ends by itself when the run does.
+
+      vllm-tour trace -r "one" -r "two" --num-blocks 7 --max-tokens 200 --ignore-eos &   # or vllm-tour serve
+
+      vllm-tour watch latest
+    """
+    from vllm_tour.views.watch import watch as watch_run
+
+    if not 0 < interval <= 0.5:
+        raise TourError(f"--interval {interval}: give a number of seconds above 0 and at most 0.5")
+    watch_run(run, console, interval, max_seconds)
+
+
+@app.command()
 def explain(
     run: str = typer.Argument("latest", help="A run directory, a name under traces/runs or traces/golden, or 'latest' (the last trace started)."),
     request: Optional[str] = typer.Option(None, "--request", "-r", help="Tell one request's life: why it waited, its prefix-cache hit, chunks, preemptions, finish."),
