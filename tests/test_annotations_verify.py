@@ -194,6 +194,7 @@ def test_record_keeps_only_runs_whose_claims_all_hold(tmp_path, monkeypatch):
     ("computed_advances_at_schedule", "the run never shows a prefill chunk continued in the next step"),
     ("budget_is_max_num_batched_tokens", "the run sets no max_num_batched_tokens"),
     ("table_covers_scheduled_tokens", "the run never shows a running request's table growing"),
+    ("fcfs_admission", "the run never shows a request waiting while an earlier one is admitted"),
 ])
 def test_a_check_fails_naming_the_event_its_run_lacks(check, missing):
     """Issue 34: these four passed on any run. On one request of 16 tokens (golden `single`: one request, no
@@ -206,5 +207,7 @@ def test_a_check_fails_naming_the_event_its_run_lacks(check, missing):
     with pytest.raises(ClaimFailed, match=missing):
         fn(load_run("single"))
     # and on the run each is proven on, it holds (the golden the site links for chunked prefill)
-    if check != "running_in_admission_order":
+    if check == "fcfs_admission":
+        assert "r4 waiting since step 1 admitted at step 5" in fn(load_run("proofs/v0.32.0/cmp_concurrent"))
+    elif check != "running_in_admission_order":
         assert fn(load_run("chunked_prefill"))

@@ -206,13 +206,19 @@ def readmitted_as_resumed(run: Run) -> str:
 
 
 def fcfs_admission(run: Run) -> str:
-    """Waiting requests are admitted in arrival order."""
+    """Waiting requests are admitted in arrival order. Needs a request that was already waiting when an
+    earlier arrival was admitted and got in at a later step: admitted all at once, any order would pass."""
     first = _first_scheduled(run)
-    reqs = sorted(run.meta.requests, key=lambda r: r.arrival_step)
-    order = [r.req_id for r in reqs]
+    arrival = {r.req_id: r.arrival_step + 1 for r in run.meta.requests}  # the first step it could run in
+    order = sorted(arrival, key=lambda r: (arrival[r], list(arrival).index(r)))
+    for s in _sched_steps(run):
+        new = [e.req_id for e in s.scheduler.scheduled if e.kind == "new"]
+        _need(new == sorted(new, key=order.index), s.index, f"admitted {new} in this order; arrival order {order}")
     got = sorted(order, key=lambda r: (first[r], order.index(r)))
     _need(got == order, first[got[0]], f"admitted {got}, arrival order {order}")
-    return "admitted in arrival order: " + ", ".join(f"{r}@{first[r]}" for r in order)
+    held = [f"{b} waiting since step {arrival[b]} admitted at step {first[b]}, after {a} at step {first[a]}"
+            for a, b in zip(order, order[1:]) if first[a] < first[b] and arrival[b] <= first[a]]
+    return "admitted in arrival order; " + _shown(held, "a request waiting while an earlier one is admitted")
 
 
 def max_num_seqs_caps_running(run: Run) -> str:
