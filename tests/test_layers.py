@@ -31,10 +31,10 @@ LAYERS = [  # bottom to top
 FLOOR = {part: i for i, parts in enumerate(LAYERS) for part in parts}
 
 
-def modules() -> dict[str, Path]:
+def modules(root: Path = PKG) -> dict[str, Path]:
     mods = {}
-    for path in PKG.rglob("*.py"):
-        name = ".".join(("vllm_tour",) + path.relative_to(PKG).with_suffix("").parts)
+    for path in root.rglob("*.py"):
+        name = ".".join(("vllm_tour",) + path.relative_to(root).with_suffix("").parts)
         mods[name.removesuffix(".__init__")] = path
     return mods
 
@@ -79,22 +79,23 @@ def test_every_part_has_a_floor():
     assert not missing, f"add these to LAYERS in tests/test_layers.py: {missing}"
 
 
-def test_no_import_points_up_or_sideways():
-    mods = modules()
+def upward_imports(root: Path = PKG) -> list[str]:
+    """Imports of a part on the same or a higher floor than the importer's (its own part excepted)."""
     wrong = []
-    for mod, targets in imports(mods).items():
+    for mod, targets in imports(modules(root)).items():
         for t in targets:
             a, b = part(mod), part(t)
             if a != b and FLOOR[b] >= FLOOR[a]:
                 wrong.append(f"{mod} (floor {FLOOR[a]}) imports {t} (floor {FLOOR[b]})")
-    assert not wrong, "\n".join(sorted(wrong))
+    return sorted(wrong)
 
 
-def test_no_import_circles():
-    edges = imports(modules())
-    index, low, stack, on_stack, circles = {}, {}, [], set(), []
+def circles(root: Path = PKG) -> list[str]:
+    """Files that import each other in a loop (Tarjan's strongly connected components of two or more)."""
+    edges = imports(modules(root))
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
 
-    def visit(v):  # Tarjan's strongly connected components
+    def visit(v):
         index[v] = low[v] = len(index)
         stack.append(v)
         on_stack.add(v)
@@ -113,17 +114,26 @@ def test_no_import_circles():
                 if w == v:
                     break
             if len(scc) > 1:
-                circles.append(" <-> ".join(sorted(scc)))
+                found.append(" <-> ".join(sorted(scc)))
 
     for v in edges:
         if v not in index:
             visit(v)
-    assert not circles, "\n".join(circles)
+    return found
 
 
-def test_the_checker_sees_a_planted_circle_and_an_upward_import(tmp_path, monkeypatch):
+def test_no_import_points_up_or_sideways():
+    wrong = upward_imports()
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_import_circles():
+    found = circles()
+    assert not found, "\n".join(found)
+
+
+def test_the_checker_sees_a_planted_circle_and_an_upward_import(tmp_path):
     """The checks above can fail: a lower floor importing a higher one, and two files in a loop."""
-    global PKG
     pkg = tmp_path / "vllm_tour"
     (pkg / "trace").mkdir(parents=True)
     (pkg / "views").mkdir()
@@ -131,20 +141,6 @@ def test_the_checker_sees_a_planted_circle_and_an_upward_import(tmp_path, monkey
         (pkg / f).write_text("")
     (pkg / "trace" / "schema.py").write_text("from vllm_tour.views import show\n")
     (pkg / "views" / "show.py").write_text("from vllm_tour.trace.schema import X\n")
-    monkeypatch.setattr(__import__(__name__), "PKG", pkg, raising=False)
-    monkeypatch.setitem(globals(), "PKG", pkg)
-    mods = modules()
-    edges = imports(mods)
-    assert edges["vllm_tour.trace.schema"] == {"vllm_tour.views.show"}
-    try:
-        test_no_import_points_up_or_sideways()
-    except AssertionError as e:
-        assert "vllm_tour.trace.schema (floor 2) imports vllm_tour.views.show (floor 9)" in str(e)
-    else:
-        raise AssertionError("an upward import was not reported")
-    try:
-        test_no_import_circles()
-    except AssertionError as e:
-        assert "vllm_tour.trace.schema <-> vllm_tour.views.show" in str(e)
-    else:
-        raise AssertionError("a circle was not reported")
+    assert imports(modules(pkg))["vllm_tour.trace.schema"] == {"vllm_tour.views.show"}
+    assert "vllm_tour.trace.schema (floor 2) imports vllm_tour.views.show (floor 9)" in upward_imports(pkg)
+    assert "vllm_tour.trace.schema <-> vllm_tour.views.show" in circles(pkg)

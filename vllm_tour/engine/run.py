@@ -114,6 +114,22 @@ def plan_run(scenario: Scenario) -> RunPlan:
     return RunPlan(scenario=scenario, pin=tag, model=model, backend=attention_backend(scenario, tag), engine_args=kwargs)
 
 
+def probe_env(plan: RunPlan, level: str) -> dict[str, str]:
+    """What every vLLM process of the run (offline or served) reads to pick its probes: the pin, the trace
+    level, the TP size, and the attention backend and CPU kernel ISA when the scenario names them (else each
+    process takes the pin's default)."""
+    from vllm_tour.probes import cpu_isa
+    from vllm_tour.probes.run_env import BACKEND_ENV, PIN_ENV, TP_ENV
+
+    e = plan.scenario.engine
+    env = {PIN_ENV: plan.pin, LEVEL_ENV: level, TP_ENV: str(e.tensor_parallel_size)}
+    if e.attention_backend:
+        env[BACKEND_ENV] = e.attention_backend
+    if e.cpu_attention_isa:
+        env[cpu_isa.ISA_ENV] = e.cpu_attention_isa
+    return env
+
+
 def attention_backend(scenario: Scenario, pin: str) -> str | None:
     """The attention backend the engine runs for this scenario on this pin (None: the engine's choice)."""
     from vllm_tour.upstream import pins
@@ -302,7 +318,6 @@ def run_upstream(
     """
     from vllm_tour.probes import cpu_isa
     from vllm_tour.probes.install import check_probes, install_all
-    from vllm_tour.probes.run_env import BACKEND_ENV, PIN_ENV, TP_ENV
 
     names = _check_capture(capture)
     _check_capture_steps(capture_steps)
@@ -330,12 +345,7 @@ def run_upstream(
         old.unlink()
     shutil.rmtree(run_dir / "captures", ignore_errors=True)  # a rerun into the same dir starts clean
 
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0", PIN_ENV: tag, LEVEL_ENV: level,
-           TP_ENV: str(scenario.engine.tensor_parallel_size)}
-    if scenario.engine.attention_backend:  # else every process takes the pin's default
-        env[BACKEND_ENV] = scenario.engine.attention_backend
-    if scenario.engine.cpu_attention_isa:
-        env[cpu_isa.ISA_ENV] = scenario.engine.cpu_attention_isa
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0", **probe_env(plan, level)}
     if scenario.engine.tensor_parallel_size > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(scenario.engine.tensor_parallel_size))
     if probes:

@@ -38,7 +38,7 @@ from pathlib import Path
 from vllm_tour.errors import TourError
 from vllm_tour.paths import DATA_DIR, RUNS_DIR, TOUR_VERSION, check_dir
 from vllm_tour.scenario import Scenario
-from vllm_tour.trace.levels import DEFAULT_LEVEL, LEVEL_ENV, check_level
+from vllm_tour.trace.levels import DEFAULT_LEVEL, check_level
 from vllm_tour.trace.schema import Outputs, RequestOutput, RequestSpec, RunMeta
 from vllm_tour.trace.writer import CAPTURE_ENV, CAPTURE_STEPS_ENV, RUN_DIR_ENV, mark_latest, write_json_atomic
 
@@ -142,9 +142,9 @@ def _has_chat_template(model_dir: Path) -> bool:
 def plan_serve(scenario: Scenario, port: int | None, out: Path | None, extra: list[str],
                level: str = DEFAULT_LEVEL) -> ServePlan:
     """Check everything that can be checked before a server starts; TourError on the first problem."""
-    from vllm_tour.engine.run import plan_run
+    from vllm_tour.engine.run import plan_run, probe_env
     from vllm_tour.probes.install import check_probes
-    from vllm_tour.probes.run_env import BACKEND_ENV, PIN_ENV, SERVE_ENV, TP_ENV
+    from vllm_tour.probes.run_env import SERVE_ENV
 
     _check_extra(extra)
     if port is None:
@@ -163,10 +163,7 @@ def plan_serve(scenario: Scenario, port: int | None, out: Path | None, extra: li
         argv += ["--chat-template", str(CHATML)]  # upstream answers chat completions 400 without one
     argv += extra  # last: upstream's argparse lets them override ours (--max-num-seqs 4, ...)
     # What run_upstream sets for its engine, and SERVE_ENV: the front-end probes (probes/server.py) go in too.
-    env = {**os.environ, PIN_ENV: plan.pin, TP_ENV: str(scenario.engine.tensor_parallel_size),
-           RUN_DIR_ENV: "", CAPTURE_ENV: "", CAPTURE_STEPS_ENV: "", SERVE_ENV: "1", LEVEL_ENV: level}
-    if scenario.engine.attention_backend:
-        env[BACKEND_ENV] = scenario.engine.attention_backend
+    env = {**os.environ, **probe_env(plan, level), RUN_DIR_ENV: "", CAPTURE_ENV: "", CAPTURE_STEPS_ENV: "", SERVE_ENV: "1"}
     return ServePlan(plan=plan, run_dir=run_dir, port=port, argv=argv, env=env, recorded_args=redact(argv), level=level)
 
 
@@ -356,7 +353,7 @@ def serve(scenario: Scenario, port: int | None, out: Path | None, extra: list[st
     """`vllm-tour serve`: plan, start, print where it is, wait for Ctrl-C, stop, summarize. Returns the run dir."""
     from rich.markup import escape
 
-    from vllm_tour.engine.trace_command import _display
+    from vllm_tour.engine.trace_command import display_path
 
     sp = plan_serve(scenario, port, out, extra, level)
     console.print(f"starting upstream's OpenAI server (pin {sp.plan.pin}, {scenario.model}, level {level})…", soft_wrap=True,
@@ -365,7 +362,7 @@ def serve(scenario: Scenario, port: int | None, out: Path | None, extra: list[st
 
     def ready(server: Server, secs: float) -> None:
         console.print(f"[bold]serving[/] {server.url}/v1  (model name {scenario.model!r}, ready in {secs:.0f} s)", highlight=False)
-        where = _display(sp.run_dir)
+        where = display_path(sp.run_dir)
         console.print(f"  run dir: {where}   (records every engine step while it serves; upstream's log: {where}/server.log)",
                       highlight=False, soft_wrap=True)
         console.print(f"  try:     curl {server.url}/v1/completions -H 'Content-Type: application/json' "
@@ -381,5 +378,5 @@ def serve(scenario: Scenario, port: int | None, out: Path | None, extra: list[st
                   f"{len(served)} engine request(s), {len(run.steps)} steps, {len(aborts)} abort(s)", highlight=False, soft_wrap=True)
     if run.meta.status != "ok":
         console.print("  [bold red]" + escape(run.meta.error or "failed") + "[/]")
-    console.print(f"  see it:  vllm-tour show {_display(sp.run_dir)}", highlight=False)
+    console.print(f"  see it:  vllm-tour show {display_path(sp.run_dir)}", highlight=False)
     return sp.run_dir

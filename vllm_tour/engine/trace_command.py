@@ -135,7 +135,7 @@ def says_where_when_interrupted():
         run_dir = getattr(e, "run_dir", None)
         if run_dir is None:  # before a run dir existed: nothing to point at
             raise
-        where = _display(run_dir)
+        where = display_path(run_dir)
         print(f"interrupted: the partial run is in {where} (vllm-tour show {where})", file=sys.stderr)
         raise SystemExit(130) from None
 
@@ -178,13 +178,13 @@ def summarize(run, elapsed: float, console: Console) -> None:
         print_(f"  [bold red]{len(run.errors)} probe error(s)[/]: " + escape(f"{run.errors[0].probe}: {run.errors[0].error}"))
     for w in run.warnings:
         print_("  [yellow]warning:[/] " + escape(w))
-    where = _display(run.path)
+    where = display_path(run.path)
     print_(f"  run dir: {where}")
     print_(f"  see it:  vllm-tour show {where}  (--step N, --request ID)")
     print_(f"  export:  vllm-tour export {where} --format perfetto")
 
 
-def _display(path: Path) -> str:
+def display_path(path: Path) -> str:
     """The run dir as the user would type it: relative when under the current directory."""
     try:
         return str(path.resolve().relative_to(Path.cwd().resolve()))

@@ -14,11 +14,13 @@ import time
 
 from vllm_tour.probes import kv
 from vllm_tour.probes.base import CPU_PINS, Probe
+from vllm_tour.trace import levels
 from vllm_tour.trace.schema import Preemption
 from vllm_tour.trace.writer import RECORDER as R
 from vllm_tour.trace.writer import user_req_id
 
 PINS = (*CPU_PINS, "v0.21.0")
+KV_LEVEL = levels.rank("blocks")  # the KV record is kept from this level up
 SCHED = "vllm.v1.core.sched.scheduler.Scheduler"
 
 
@@ -118,12 +120,12 @@ def _schedule_after(token, out, self, *a, **kw):
             "preempted": [p.model_dump(mode="json") for p in R.preempted],
             "finished": sorted(user_req_id(r) for r in out.finished_req_ids),
         },
-        flush=not R.kv_records and R.worker_step == 0,  # else the KV record below completes the step: one write()
+        flush=R.level_rank < KV_LEVEL and R.worker_step == 0,  # else the KV record below completes the step: one write()
     )
     R.preempted = []
     # Flushed now, unless this process also runs the model (in-process engine, or a
     # uniproc executor): then the runner record that ends this step flushes all four.
-    if R.kv_records:
+    if R.level_rank >= KV_LEVEL:
         R.write(kv.kv_record(self, step, admitted), flush=R.worker_step == 0)
 
 

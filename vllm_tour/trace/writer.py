@@ -69,7 +69,6 @@ class Recorder:
         self.capture: set[str] = set()
         self.capture_steps: set[int] | None = None
         self.fault: str | None = None
-        self.kv_records = True  # the scheduler probe writes a KV record each step (level blocks and up)
         self.level_rank = levels.rank("full")  # probes of a higher level than the run's stay silent
         self._file = None
         self._pending: list[bytes] = []  # encoded lines of this step not yet written (see write)
@@ -103,7 +102,6 @@ class Recorder:
         self.capture = {c.strip() for c in capture.split(",") if c.strip()}
         self.capture_steps = parse_steps(capture_steps)
         self.fault = fault or None
-        self.kv_records = levels.has(level, "blocks")
         self.level_rank = levels.rank(level)
         self.reset_counters()
         self.active = True

@@ -45,7 +45,7 @@ def recent_events(run: Run, n: int = EVENTS_SHOWN) -> list[str]:
             events += [f"step {s.index}: {rid} finished" for rid in sc.finished]
         if kv:
             events += [f"step {s.index}: {h.req_id} hit {h.num_hit_tokens} cached tokens" for h in kv.prefix_hits]
-        events += [f"step {s.index}: {a.req_id} aborted by its client" for a in getattr(s, "aborts", [])]
+        events += [f"step {s.index}: {a.req_id} aborted by its client" for a in s.aborts]
     return events[-n:]
 
 
