@@ -233,3 +233,12 @@ def test_serve_reports_an_option_upstream_rejects(cli, tmp_path):
     assert r.stderr.strip().splitlines()[-1] == ("error: upstream's server exited (2) before it was ready: "
                                                  "unrecognized arguments: --no-such-option")
     assert not (tmp_path / "run").exists()
+
+
+def test_server_arguments_are_redacted_by_name_not_by_the_word_token():
+    """Secrets leave meta.json; a token budget is no secret and stays."""
+    from vllm_tour.engine.serve import redact
+
+    argv = ["--max-num-batched-tokens", "32", "--api-key", "s3cret", "--hf-token=hf_x", "--max-num-seqs", "4"]
+    assert redact(argv) == ["--max-num-batched-tokens", "32", "--api-key", "<redacted>", "--hf-token=<redacted>",
+                            "--max-num-seqs", "4"]

@@ -57,7 +57,12 @@ CAPTURE_NAMES = ("attn_out", "kv_blocks", "tp", "router_logits", "moe_out", "moe
 
 _ENV_PREFIXES = ("VLLM_", "OMP_", "KMP_", "MKL_", "TORCH_", "PYTORCH_", "TRITON_", "CUDA_VISIBLE_DEVICES", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "LD_PRELOAD")
 _SECRET = re.compile(r"KEY|TOKEN|SECRET|PASSW|AUTH|CREDENTIAL", re.I)
-_SECRET_ARG = re.compile(r"hf_token|api_key|secret|passw|credential", re.I)  # EngineArgs names (token budgets are fine)
+_SECRET_ARG = re.compile(r"hf_token|api_key|secret|passw|credential|auth", re.I)  # argument names (token budgets are fine)
+
+
+def is_secret_arg(name: str) -> bool:
+    """An engine or server argument whose value meta.json must not hold (`--api-key` as `api_key`)."""
+    return bool(_SECRET_ARG.search(name.lstrip("-").replace("-", "_")))
 
 
 def env_allow_list(environ: dict[str, str] | None = None) -> dict[str, str]:
@@ -196,7 +201,7 @@ def extra_engine_args(extra: dict, typed) -> dict:
     for name in extra:
         if name not in known:
             raise TourError(f"engine.extra.{name}: the installed vLLM's EngineArgs has no field {name!r}")
-        if _SECRET_ARG.search(name):
+        if is_secret_arg(name):
             raise TourError(f"engine.extra.{name}: not accepted (meta.json records every engine argument; no secrets)")
         if name in typed:
             raise TourError(f"engine.extra.{name}: set by the scenario's typed [engine] fields (model, block_size, "

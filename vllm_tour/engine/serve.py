@@ -50,7 +50,6 @@ STOP_TIMEOUT_S = 60.0  # upstream's graceful shutdown takes ~2 s; then SIGTERM, 
 # Options `serve` sets itself: given after `--` they would move the server off loopback or off the planned run.
 _OWN = {"--host": "the server listens on 127.0.0.1 only", "--port": "give vllm-tour serve --port",
         "--model": "give vllm-tour serve --model", "--uds": "the server listens on 127.0.0.1 only"}
-_SECRET_OPT = re.compile(r"key|token|secret|passw|credential|auth", re.I)
 
 
 @dataclass
@@ -111,6 +110,8 @@ def _check_extra(extra: list[str]) -> None:
 
 def redact(argv: list[str]) -> list[str]:
     """argv with the value of every secret-looking option replaced (meta.json never holds secrets)."""
+    from vllm_tour.engine.run import is_secret_arg
+
     out, hide = [], False
     for arg in argv:
         if hide:
@@ -118,7 +119,7 @@ def redact(argv: list[str]) -> list[str]:
             hide = False
             continue
         name, eq, _ = arg.partition("=")
-        if name.startswith("--") and _SECRET_OPT.search(name):
+        if name.startswith("--") and is_secret_arg(name):
             if eq:
                 out.append(f"{name}=<redacted>")
             else:

@@ -23,6 +23,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from vllm_tour.compare.tokens import first_difference
 from vllm_tour.errors import TourError
 from vllm_tour.trace.reader import Run, Step
 
@@ -230,13 +231,6 @@ def _step_diffs(sa: dict, sb: dict, kinds: list[str], ranks: set) -> list[FieldD
     return out
 
 
-def _first_token_diff(a: list[int], b: list[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
 def output_diffs(a: Run, b: Run) -> list[FieldDiff]:
     """Per request: prompt ids, generated tokens (from their first differing position), finish reason, text."""
     oa = {o.req_id: o for o in a.outputs.requests}
@@ -249,7 +243,7 @@ def output_diffs(a: Run, b: Run) -> list[FieldDiff]:
         x, y = oa[rid], ob[rid]
         if x.prompt_token_ids != y.prompt_token_ids:
             out.append(FieldDiff(f"outputs[{rid}].prompt_token_ids", x.prompt_token_ids, y.prompt_token_ids))
-        pos = _first_token_diff(x.token_ids, y.token_ids)
+        pos = first_difference(x.token_ids, y.token_ids)
         if pos is not None:
             out.append(FieldDiff(f"outputs[{rid}].token_ids from position {pos}", x.token_ids[pos:], y.token_ids[pos:]))
         if x.finish_reason != y.finish_reason:
