@@ -242,12 +242,18 @@ def annotations_check(
     accept: list[str] = typer.Option([], "--accept", metavar="NOTE_ID", help="You read this note's code on the given pins "
                                      "and it holds: record the digests of that code (annotations/checked.json). Repeatable."),
     accept_all: bool = flag("--accept-all", help="--accept every note (after reviewing them all)."),
+    all_pins: bool = flag("--all-pins", help="Instead: a table of note x release (every release here: this interpreter's and each "
+                          "`pin add` environment), each note's code against the newest: same, moved, changed or gone."),
 ):
     """Check every note on each pin: it resolves where it is claimed (`pins`, `variant`), is not shown where nobody
     checked it, and rests on the code it was accepted against (its anchor and `depends`). Exit 1 on any of these;
     drift between pins is listed (with --diff, as code)."""
-    from vllm_tour.site.commands import run_check
+    from vllm_tour.site.commands import run_check, run_drift_table
 
+    if all_pins:
+        if pin or diff or accept or accept_all:
+            raise TourError("--all-pins checks every release here: give no --pin, --diff or --accept")
+        raise typer.Exit(run_drift_table(console, as_json))
     raise typer.Exit(run_check(console, pin, as_json, diff, accept, accept_all))
 
 
@@ -410,13 +416,17 @@ def probes(
 ):
     """List the declared probes: upstream target, what each records, the pins it supports. Exit 2 if a target is missing.
 
+    On the installed vLLM's pin the targets are imported; on another pin they are read from its sources (its
+    `pin add` environment, else its wheel's cached sources) without running it.
+
     With --platform maca --source PATH: list the plugin's entry points, the attention backends it registers and
     the upstream functions it patches; check the patches exist on the pin, the probes declared for the platform
     against its classes, and name the probe targets it replaces. Exit 0 clean, 1 on a failed check, 2 on bad input.
     """
     from vllm_tour.probes.base import resolve
     from vllm_tour.probes.install import current_platform, probes_for
-    from vllm_tour.upstream.pins import active_pin_tag, load_pin
+    from vllm_tour.probes.static import target_problem
+    from vllm_tour.upstream.pins import active_pin_tag, installed_vllm, load_pin
 
     tag = pin or active_pin_tag()
     if platform is not None or source is not None:
@@ -434,20 +444,31 @@ def probes(
         raise typer.Exit(1 if report.failures() else 0)
     if as_json:
         raise TourError("--json goes with --platform and --source")
-    load_pin(tag)  # an unknown pin is named as such, not as a missing probe or backend
+    pinned = load_pin(tag)  # an unknown pin is named as such, not as a missing probe or backend
+    tree = None
+    if (inst := installed_vllm()) is None or inst.version != pinned.version:
+        from vllm_tour.notes.pinned import tree_for_pin
+
+        tree = tree_for_pin(tag, status=lambda line: console.print(f"[dim]{escape(line)}[/]"))
     # Below 120 columns a five-column table folds dotted names mid-word: one block per probe instead
     narrow = console.width < 120
-    table = Table(title=f"probes — pin {tag}", title_justify="left", show_header=not narrow, show_lines=narrow)
+    how = f"read from {tree.root}" if tree is not None else "imported"
+    table = Table(title=f"probes — pin {tag} ({how})", title_justify="left", show_header=not narrow, show_lines=narrow)
     for col in ("probe", "target", "records", "pins", "") if not narrow else ("probe",):
         table.add_column(col, overflow="fold")
     bad = []
     for p in probes_for(tag, platform=current_platform(), serve=None):  # the pin's declarations (serve's too), default backend
+        problem = None
         try:
-            resolve(p, tag)
-            mark = "[green]ok[/]"
+            if tree is not None:
+                problem = target_problem(p, tag, tree)
+            else:
+                resolve(p, tag)
         except TourError as e:
-            bad.append(str(e))
-            mark = "[red]MISSING[/]"
+            problem = str(e)
+        if problem is not None:
+            bad.append(problem)
+        mark = "[green]ok[/]" if problem is None else "[red]MISSING[/]"
         name = p.name + (" (capture)" if p.capture_only else "")
         if narrow:
             table.add_row(f"[bold]{name}[/] {mark}\n{p.target}\n{p.records}\npins {', '.join(p.pins)}")
@@ -623,6 +644,8 @@ def repro(
     all_: bool = flag("--all", help="Run the whole library (traces/repros/ and traces/scenarios/repro_*.toml) and print a table."),
     matrix: bool = flag("--matrix", help="Run the library (or the SCENARIO given) on every release here: this interpreter's and each "
                         "environment `pin add` built; print repro x release with verdicts and times."),
+    bisect: bool = flag("--bisect", help="Run SCENARIO on every release here, oldest first; name the first release whose verdict "
+                        "differs from the one before it and diff the two releases' traces. Exit 0 a change found, 1 none."),
     out: Optional[Path] = typer.Option(None, help="Run directory (default traces/runs/<stamp>-<name>). An existing, non-empty one is refused unless --force."),
     force: bool = flag("--force", help="Run into an existing --out: its meta.json, records and captures are deleted and replaced."),
     level: Optional[str] = typer.Option(None, "--level", help="What to record (steps, blocks, full; see trace --help). Default: what the expectations need, blocks at least; a lower one is refused."),
@@ -641,7 +664,18 @@ def repro(
     verdict a file declares for a release holds there and every cell ran, else 1.
 
       vllm-tour repro --matrix                     # the library on every release (see `vllm-tour pin list`)
+
+      vllm-tour repro traces/repros/long_prefill_lone_request.toml --bisect
     """
+    if bisect:
+        from vllm_tour.repro.bisect import bisect as bisect_releases
+        from vllm_tour.views.bisect import render as render_bisect
+
+        if scenario is None or matrix or all_ or out is not None or pin is not None or level is not None:
+            raise TourError("repro --bisect runs one SCENARIO on every release: give the scenario, and no --matrix, --all, "
+                            "--out, --pin or --level")
+        res = bisect_releases(scenario, say=lambda line: console.print(f"[dim]{escape(line)}…[/]"))
+        raise typer.Exit(render_bisect(res, console))
     if not matrix and not all_:
         _run_in_pin_env(pin, scenario)
     from vllm_tour.engine.trace_command import quiet_vllm, says_where_when_interrupted

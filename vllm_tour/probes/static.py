@@ -45,19 +45,25 @@ def check_static(pin: str, tree, backends: list[str | None] | None = None, probe
             if p.target in seen:
                 continue
             seen.add(p.target)
-            if pin not in p.pins:
-                problems.append(f"probe {p.name} has not been checked against pin {pin} (target {p.target})")
-                continue
-            try:
-                names = source_params(tree, p.target)
-            except TourError as e:
-                problems.append(f"probe {p.name}: target {p.target} not found on pin {pin} ({e})")
-                continue
-            if tuple(names[: len(p.params)]) != p.params:
-                problems.append(f"probe {p.name}: target {p.target} on pin {pin} has parameters ({', '.join(names)}), "
-                                f"expected ({', '.join(p.params)}, ...)")
+            if (problem := target_problem(p, pin, tree)) is not None:
+                problems.append(problem)
     return problems + [msg for p in {p.name + p.target: p for p in probes}.values() if pin in p.pins
                        for msg in hook_problems(p)]
+
+
+def target_problem(p: Probe, pin: str, tree) -> str | None:
+    """Why `p` cannot be installed on `pin` as its sources in `tree` stand (None: it can): not checked against
+    the pin, its target missing (the qualified name and the close names), or other leading parameters."""
+    if pin not in p.pins:
+        return f"probe {p.name} has not been checked against pin {pin} (target {p.target})"
+    try:
+        names = source_params(tree, p.target)
+    except TourError as e:
+        return f"probe {p.name}: target {p.target} not found on pin {pin} ({e})"
+    if tuple(names[: len(p.params)]) != p.params:
+        return (f"probe {p.name}: target {p.target} on pin {pin} has parameters ({', '.join(names)}), "
+                f"expected ({', '.join(p.params)}, ...)")
+    return None
 
 
 def hook_problems(p: Probe) -> list[str]:

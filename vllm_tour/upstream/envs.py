@@ -95,10 +95,28 @@ def list_envs() -> list[EnvInfo]:
     root = envs_dir()
     found = [e for d in (sorted(root.iterdir()) if root.is_dir() else []) if d.is_dir() and not d.name.startswith(".")
              and (e := read_env(d.name)) is not None]
-    return sorted(found, key=lambda e: _version_key(e.tag), reverse=True)
+    return sorted(found, key=lambda e: version_key(e.tag), reverse=True)
 
 
-def _version_key(tag: str) -> tuple:
+def release_tags() -> list[str]:
+    """Every release here that has a pin file: the running interpreter's and each environment's, newest first."""
+    from vllm_tour.upstream.pins import available_pins, installed_vllm
+
+    inst = installed_vllm()
+    tags = {f"v{inst.version}"} if inst else set()
+    tags |= {e.tag for e in list_envs()}
+    return sorted(tags & set(available_pins()), key=version_key, reverse=True)
+
+
+def env_sources(tag: str) -> Path | None:
+    """The `vllm` package in `tag`'s environment (its site-packages), when one is installed: the release's
+    sources, read without running its interpreter."""
+    info = read_env(tag)
+    found = sorted(info.path.glob("lib/python*/site-packages/vllm/__init__.py")) if info else []
+    return found[0].parent if found else None
+
+
+def version_key(tag: str) -> tuple:
     return tuple(int(x) for x in re.findall(r"\d+", tag))
 
 
@@ -146,7 +164,7 @@ def check_release(dist: str, version: str) -> None:
         return
     versions = [v.strip() for v in m.group(1).split(",")]
     if version not in versions:
-        near = sorted(versions, key=lambda v: _version_key(v), reverse=True)[:6]
+        near = sorted(versions, key=lambda v: version_key(v), reverse=True)[:6]
         raise TourError(f"{dist}=={version} is not on the package index ({dist} has {', '.join(near)}, ...)")
 
 
@@ -354,7 +372,7 @@ def pin_rows(envs: list[EnvInfo]) -> list[tuple[str, ...]]:
     inst = installed_vllm()
     by_tag = {e.tag: e for e in envs}
     rows = []
-    for tag in sorted(set(available_pins()) | set(by_tag), key=_version_key, reverse=True):
+    for tag in sorted(set(available_pins()) | set(by_tag), key=version_key, reverse=True):
         e = by_tag.get(tag)
         pin = load_pin(tag) if tag in available_pins() else None
         pin_file = "yes" if pin else "no"
