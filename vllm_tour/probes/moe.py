@@ -106,12 +106,16 @@ _EXPERTS_PARAMS = ("self", "output", "hidden_states", "w1", "w2", "topk_weights"
 _EXPERTS_RECORDS = ("per layer: the top-k ids and weights the experts kernel receives, its local expert count, "
                     "the expert map, tokens per expert (global and local); written before the kernel runs")
 
+# v0.29.0's CPUUnquantizedExperts is a FusedMoEExpertsMonolithic: apply(self, hidden_states, w1, w2, router_logits, ...)
+# picks the top-k itself, so no top-k ids cross its call; from v0.30.0 on it receives them.
+CPU_EXPERTS_PINS = tuple(p for p in CPU_PINS if p not in ("v0.29.0", "v0.28.0"))
+
 cpu_experts = Probe(
     name="moe.cpu_experts",
     target=f"{CPU_EXPERTS}.apply",
     params=_EXPERTS_PARAMS,
     records=_EXPERTS_RECORDS,
-    pins=CPU_PINS,
+    pins=CPU_EXPERTS_PINS,
     before=_experts_before,
     role="worker",
     own_pins_only=True,
