@@ -145,7 +145,9 @@ VISIBLE = "(e => !!e && e.offsetParent !== null && e.getBoundingClientRect().hei
 def test_index_follows_the_journey_and_links_concepts(site, browser):
     browser.goto((site / "index.html").as_uri())
     subs = browser.js("[...document.querySelectorAll('section.sub h3 [lang=en]')].map(e => e.textContent)")
-    assert subs[0].startswith("Entrypoint") and "Scheduler" in subs and subs[-1] == "Output processing"
+    # the request's journey, then what changed between releases (annotations/release_changes.toml)
+    assert subs[0].startswith("Entrypoint") and "Scheduler" in subs and subs[-2] == "Output processing"
+    assert subs[-1] == "Between releases: what changed, and where"
     assert subs == [s.title["en"] for s in load_all()]
     # every concept row links to at least one note, and the preemption row to the scheduler
     rows = browser.js("[...document.querySelectorAll('tr[id^=concept-]')].map(r => [r.id, r.querySelectorAll('a').length])")
@@ -158,7 +160,7 @@ def test_index_follows_the_journey_and_links_concepts(site, browser):
 def test_symbol_page_shows_notes_beside_code(site, browser):
     browser.goto((site / SCHED_PAGE).as_uri())
     n_notes = browser.js(f"[...document.querySelectorAll('.note')].filter({VISIBLE}).length")
-    expected = sum(1 for s in load_all() for n in s.notes if n.symbol.endswith("Scheduler.schedule"))
+    expected = sum(1 for s in on_pin(load_all(), "v0.32.0") for n in s.notes if n.symbol.endswith("Scheduler.schedule"))
     assert n_notes == expected > 5
     # the note on allocate_slots sits in the same row as the code it anchors, to its right
     geo = browser.js("""(() => {

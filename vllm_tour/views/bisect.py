@@ -23,13 +23,13 @@ def render(res: Bisect, console: Console) -> int:
     console.print(table)
     console.print(escape(f"runs: {res.root}"), soft_wrap=True, highlight=False)
     changes = res.changes()
-    judged = [t.release.tag for t in res.tried if t.has_verdict]
+    judged = [t for t in res.tried if t.has_verdict]
     if not changes:
         if len(judged) < 2:
             console.print(f"no verdict to compare: {len(judged)} release(s) gave one")
         else:
-            console.print(escape(f"no change: {res.tried[-1].cell.verdict if judged else ''} on every release "
-                                 f"that ran ({', '.join(judged)})"), highlight=False)
+            console.print(escape(f"no change: {judged[0].cell.verdict} on every release that ran "
+                                 f"({', '.join(t.release.tag for t in judged)})"), highlight=False)
         return 1
     for a, b in changes:
         console.print(escape(f"changed in {b.release.tag}: {a.cell.verdict} on {a.release.tag} -> {b.cell.verdict} on "
