@@ -7,6 +7,7 @@ Screenshots go to test-artifacts/.
 """
 
 import base64
+import re
 import fcntl
 import json
 import os
@@ -310,3 +311,35 @@ def test_the_repro_library_page_links_each_repro_to_its_notes(site, browser):
             assert f'id="{frag}"' in page.read_text(), (sc.name, h)
     reset = next(r for r in rows if r["id"] == "repro-async_reset_prefix_cache_placeholders")["text"]
     assert "v0.21.0 REPRODUCED (run on an H200)" in reset and "v0.32.0 NOT REPRODUCED" in reset
+
+
+def _zh_bodies(html: str) -> list[str]:
+    """The Chinese note texts of a page, tags stripped, in reading order."""
+    return [re.sub(r"<[^>]+>", "", m) for m in re.findall(r'<div class="i18n body" lang="zh">(.*?)</div>', html, re.S)]
+
+
+def test_glossary_page_and_first_use_glosses(site, browser):
+    """Every glossary term is on the glossary page; on a source page each term's first use, and only that,
+    carries its English (预填充（prefill）)."""
+    from vllm_tour.notes.glossary import load_glossary
+
+    terms = load_glossary()
+    page = (site / "glossary.html").read_text(encoding="utf-8")
+    for t in terms:
+        assert f'<td lang="zh">{t.zh}</td>' in page, t.en
+    browser.goto((site / "index.html").as_uri())
+    link = browser.js("[...document.querySelectorAll('a')].filter(a => a.href.includes('glossary.html')).length")
+    assert link == 1, link
+
+    text = "\n".join(_zh_bodies((site / SCHED_PAGE).read_text(encoding="utf-8")))
+    glossed = [t for t in terms if t.zh != t.en and t.zh in text]
+    assert len(glossed) >= 5, [t.en for t in glossed]  # the page uses terms: the check below can fail
+    for t in glossed:
+        # the term's own uses: not inside a longer term (预填充 in 分块预填充 is that term's use)
+        inside = {m.start() + o.zh.index(t.zh) for o in terms if o is not t and t.zh in o.zh
+                  for m in re.finditer(re.escape(o.zh), text)}
+        own = [m.start() for m in re.finditer(re.escape(t.zh), text) if m.start() not in inside]
+        glossed_at = [i for i in own if text.startswith(f"（{t.en}）", i + len(t.zh))]
+        # the first use not followed by a parenthesis of its own ("抢占（FCFS 下……）" passes the gloss on)
+        first = [i for i in own if not text.startswith("（", i + len(t.zh)) or i in glossed_at][:1]
+        assert glossed_at == first, (t.en, own, glossed_at)
