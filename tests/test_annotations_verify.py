@@ -154,15 +154,55 @@ def test_a_check_fails_when_the_trace_contradicts_it(traced, check):
         verify.CHECKS[check](run)
 
 
-def test_every_claim_holds_on_the_recorded_runs_the_site_links():
-    """`verify --record` keeps the runs the claims were proven on (traces/golden/proofs/v0.32.0/, no tensors): the
-    site links each proven note to its run, so the claim must hold on that checked-in run too."""
-    table = verify.load_proofs(verify.PROOFS_DIR / f"{PIN}.toml")
+@pytest.mark.parametrize("pin", ["v0.32.0", "v0.31.0", "v0.21.0"])
+def test_every_claim_holds_on_the_recorded_runs_the_site_links(pin):
+    """`verify --record` keeps the runs the claims were proven on (traces/golden/proofs/PIN/, no tensors): the
+    site links each proven note to its run, so the claim must hold on that checked-in run too. v0.31.0's were
+    recorded in its environment (`verify --pin v0.31.0 --record`), v0.21.0's by the GPU runner on the H200."""
+    table = verify.proofs_for_pin(pin)
+    assert len(table) >= 50
     for name, note_ids in verify._by_scenario(table).items():
-        run = load_run(verify.recorded_run(PIN, name))
-        assert run.meta.pin == PIN and run.finished, name
+        run = load_run(verify.recorded_run(pin, name))
+        assert run.meta.pin == pin and run.finished, name
         failed = [v for v in verify.check_claims(run, name, note_ids, table) if not v.holds]
         assert not failed, [(v.note, v.step, v.evidence) for v in failed]
+
+
+def test_another_release_keeps_the_default_claims_only_where_its_notes_say_the_same():
+    """v0.21.0 is held to v0.32.0's claims on notes with the same text there; notes with their own v0.21.0 text
+    take their claim from annotations/proofs/v0.21.0.toml; notes hidden on v0.21.0 have none."""
+    default, old = verify.proofs_for_pin(PIN), verify.proofs_for_pin("v0.21.0")
+    notes = {n.id: n for n in all_notes(load_all())}
+    for note_id, proof in old.items():
+        if "v0.21.0" in notes[note_id].variant:
+            assert proof.claim != default[note_id].claim, note_id
+        assert "v0.21.0" not in notes[note_id].not_on, note_id
+    assert {"pool-get-new", "pool-free-queue"} <= old.keys() and "pool-free-order" not in old  # not_on v0.21.0
+    assert old["pool-touch"].scenario == "proof_evict_tail" and old["pool-touch"].claim == default["pool-touch"].claim
+
+
+def test_the_free_queue_checks_tell_the_two_releases_apart():
+    """On the same scenario, v0.32.0 hands out hashless freed blocks before never-used ones and v0.21.0 never-used
+    ones first: each release's check holds on its own run and fails on the other's."""
+    runs = {pin: load_run(verify.recorded_run(pin, "cmp_evict")) for pin in ("v0.32.0", "v0.21.0")}
+    checks = {"v0.32.0": verify.CHECKS["hashless_before_fresh_before_cached"],
+              "v0.21.0": verify.CHECKS["fresh_then_freed_in_free_order"]}
+    for pin, check in checks.items():
+        assert check(runs[pin])
+        other = runs["v0.21.0" if pin == "v0.32.0" else "v0.32.0"]
+        with pytest.raises(proofs.ClaimFailed):
+            check(other)
+
+
+def test_recorded_verify_needs_the_kept_run(tmp_path, monkeypatch, cli):
+    from vllm_tour.errors import TourError
+    from rich.console import Console
+
+    monkeypatch.setattr(verify, "recorded_run", lambda pin, scenario: tmp_path / pin / scenario)
+    with pytest.raises(TourError, match="no run of .* recorded on v0.21.0"):
+        verify.verify(Console(), "v0.21.0", [], False, None, recorded=True)
+    r = cli("annotations", "verify", "--pin", "v0.21.0", "--record", "--recorded")
+    assert r.returncode == 2 and r.stderr.strip().endswith("give one of them"), r.stderr
 
 
 def test_record_keeps_only_runs_whose_claims_all_hold(tmp_path, monkeypatch):

@@ -253,19 +253,30 @@ def annotations_check(
 
 @annotations_app.command("verify")
 def annotations_verify(
-    pin: Optional[str] = typer.Option(None, "--pin", help="Pin tag; must be the installed vLLM (default: its pin)."),
+    pin: Optional[str] = typer.Option(None, "--pin", help="Pin tag: the installed vLLM (the default) or a release `pin add` built an environment for."),
     note: list[str] = typer.Option([], "--note", help="Note id to verify; repeat for several (default: every proven note)."),
     as_json: bool = flag("--json", help="Machine-readable report on stdout."),
     proofs: Optional[Path] = typer.Option(None, "--proofs", help="Proofs file (default: annotations/proofs/PIN.toml)."),
     record: bool = flag("--record", help="Keep each run whose claims all hold, small and without tensors, under "
                         "traces/golden/proofs/PIN/ (the runs the site links and CI re-checks)."),
+    recorded: bool = flag("--recorded", help="Check the claims on the runs kept under traces/golden/proofs/PIN/ "
+                          "instead of running the engine: for a pin that cannot run here (v0.21.0: CUDA)."),
 ):
-    """Prove notes' claims on live upstream runs: each note's check over its scenario's trace (exit 1 if one fails)."""
+    """Prove notes' claims on live upstream runs: each note's check over its scenario's trace (exit 1 if one fails).
+
+    A release with an environment (`pin add`) is verified there. A release other than the default pin is held
+    to the default's claims on every note that says the same there, plus its own file's
+    (annotations/proofs/PIN.toml: claims of its own note texts, other scenarios).
+    """
+    if record and recorded:
+        raise TourError("--record keeps live runs; --recorded checks kept ones: give one of them")
+    if not recorded:
+        _run_in_pin_env(pin)
     from vllm_tour.engine.trace_command import quiet_vllm
     from vllm_tour.notes.verify import verify
 
     quiet_vllm(False)  # as `compare`: vLLM's INFO lines would bury the table
-    raise typer.Exit(verify(console, pin, note, as_json, proofs, record))
+    raise typer.Exit(verify(console, pin, note, as_json, proofs, record, recorded))
 
 
 @annotations_app.command("lint")

@@ -47,11 +47,13 @@ class Proof(BaseModel):
 
     scenario: str
     check: str
-    claim: dict[str, str]
+    claim: dict[str, str] | None = None  # None: another release's file keeping the default pin's claim
 
     @field_validator("claim")
     @classmethod
-    def _bilingual(cls, v: dict[str, str]) -> dict[str, str]:
+    def _bilingual(cls, v: dict[str, str] | None) -> dict[str, str] | None:
+        if v is None:
+            return v
         missing = [lang for lang in LANGS if not v.get(lang, "").strip()]
         if missing:
             raise ValueError(f"missing claim language(s) {missing}")
@@ -69,8 +71,9 @@ class Verdict:
     evidence: str
 
 
-def load_proofs(path: Path) -> dict[str, Proof]:
-    """Note id -> Proof; TourError for a malformed file, an unknown note, scenario or check."""
+def load_proofs(path: Path, claims: bool = True) -> dict[str, Proof]:
+    """Note id -> Proof; TourError for a malformed file, an unknown note, scenario or check, and (claims) an
+    entry without its claim."""
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except OSError as e:
@@ -94,6 +97,8 @@ def load_proofs(path: Path) -> dict[str, Proof]:
             raise TourError(f"{where}: no scenario '{proof.scenario}' in {SCENARIOS_DIR}")
         if proof.check not in CHECKS:
             raise TourError(f"{where}: no check '{proof.check}' in {proofs.__name__}")
+        if claims and proof.claim is None:
+            raise TourError(f"{where}: claim: Field required")
         out[note_id] = proof
     return out
 
@@ -102,6 +107,28 @@ def proofs_for_pin(pin: str) -> dict[str, Proof]:
     """The pin's proofs ({} when it has none): what the site marks as proven."""
     path = PROOFS_DIR / f"{pin}.toml"
     return load_proofs(path) if path.is_file() else {}
+
+
+def proofs_for_pin(pin: str) -> dict[str, Proof]:
+    """Note id -> Proof on `pin`: the default CPU pin's file as it is; for another release, the default pin's
+    claims on the notes that say the same there (no text of the release's own, not hidden there), then the
+    release's own file (annotations/proofs/<pin>.toml, if any): the claims of its own text, and other scenarios
+    where the default's does not make the case happen on it (an entry without a claim keeps the default's)."""
+    default = pins.default_pin("cpu")
+    own_path = PROOFS_DIR / f"{pin}.toml"
+    own = load_proofs(own_path, claims=pin == default) if own_path.is_file() else {}
+    if pin == default:
+        return own
+    base = load_proofs(PROOFS_DIR / f"{default}.toml")
+    notes = {n.id: n for n in all_notes(load_all())}
+    table = {i: p for i, p in base.items() if pin not in notes[i].variant and pin not in notes[i].not_on}
+    for note_id, proof in own.items():
+        if proof.claim is None:
+            if note_id not in base:
+                raise TourError(f"{own_path.name} [{note_id}]: no claim, and {default} has none to keep")
+            proof = proof.model_copy(update={"claim": base[note_id].claim})
+        table[note_id] = proof
+    return table
 
 
 def check_pin_installed(pin: str) -> None:
@@ -125,6 +152,20 @@ def _by_scenario(selected: dict[str, Proof]) -> dict[str, list[str]]:
     for note_id, proof in selected.items():
         out.setdefault(proof.scenario, []).append(note_id)
     return out
+
+
+def recorded_verdicts(pin: str, selected: dict[str, Proof]) -> list[Verdict]:
+    """The claims checked on the runs `--record` kept for `pin`; a scenario with no kept run is one error line."""
+    from vllm_tour.trace.reader import load_run
+
+    verdicts = []
+    for name, note_ids in _by_scenario(selected).items():
+        path = recorded_run(pin, name)
+        if not (path / "meta.json").is_file():
+            raise TourError(f"no run of {name} recorded on {pin} ({path}): record it where {pin} runs "
+                            f"(`annotations verify --pin {pin} --record`, or the GPU runner's trace step for v0.21.0)")
+        verdicts += check_claims(load_run(path), name, note_ids, selected)
+    return verdicts
 
 
 def check_claims(run, name: str, note_ids: list[str], selected: dict[str, Proof]) -> list[Verdict]:
@@ -173,18 +214,23 @@ def _stdout_to_stderr():
 
 
 def verify(console: Console, pin: str | None, note_ids: list[str], as_json: bool, proofs_path: Path | None,
-           record: bool = False) -> int:
-    """Exit code: 0 every claim holds, 1 some claim fails. record: keep each verified run (recorded_run)."""
+           record: bool = False, recorded: bool = False) -> int:
+    """Exit code: 0 every claim holds, 1 some claim fails. record: keep each verified run (recorded_run);
+    recorded: check the claims on the runs kept for the pin instead of running its engine (a pin that cannot run
+    here: v0.21.0's CUDA engine)."""
     pin = pin or pins.active_pin_tag()
-    check_pin_installed(pin)
+    if not recorded:
+        check_pin_installed(pin)
+    table = load_proofs(proofs_path) if proofs_path else proofs_for_pin(pin)
     path = proofs_path or PROOFS_DIR / f"{pin}.toml"
-    table = load_proofs(path)
     unknown = [n for n in note_ids if n not in table]
     if unknown:
         raise TourError(f"no proof for note(s) {', '.join(unknown)} in {path}")
     selected = {n: table[n] for n in (note_ids or table)}
     record_pin = pin if record else None
-    if as_json:
+    if recorded:
+        verdicts = recorded_verdicts(pin, selected)
+    elif as_json:
         with _stdout_to_stderr():
             verdicts = run_proofs(selected, Console(stderr=True), record_pin)
     else:
@@ -194,7 +240,8 @@ def verify(console: Console, pin: str | None, note_ids: list[str], as_json: bool
         print(json.dumps({"proven": len(verdicts) - len(failed), "failed": len(failed),
                           "claims": [asdict(v) for v in verdicts]}, indent=2, ensure_ascii=False))
         return 1 if failed else 0
-    out = Table(title=f"annotations verify — {len(verdicts) - len(failed)} of {len(verdicts)} claims hold")
+    runs = f"the runs recorded on {pin}" if recorded else f"live {pin} runs"
+    out = Table(title=f"annotations verify — {len(verdicts) - len(failed)} of {len(verdicts)} claims hold on {runs}")
     for col in ("note", "scenario", "verdict", "evidence"):
         out.add_column(col, overflow="fold")
     for v in verdicts:

@@ -99,6 +99,22 @@ def hashless_before_fresh_before_cached(run: Run) -> str:
     return _shown(found, "an allocation that mixes hashless freed blocks with never-used ones")
 
 
+def fresh_then_freed_in_free_order(run: Run) -> str:
+    """Releases whose free_blocks appends every freed block (v0.21.0): never-used blocks are handed out first,
+    then freed ones in the order they were freed, hashless or cached alike."""
+    found = []
+    for h in _replay_pool(run).handouts:
+        freed = [st in ("hashless", "cached") for st in h.states]
+        _need(freed == sorted(freed), h.step, f"{h.req_id} got {h.blocks} as {h.states}: a freed block before a never-used one")
+        order = [f for f, is_freed in zip(h.freed_at, freed) if is_freed]
+        _need(order == sorted(order), h.step, f"{h.req_id} got freed blocks "
+              f"{[b for b, x in zip(h.blocks, freed) if x]} out of the order they were freed")
+        if "hashless" in h.states and "fresh" in h.states:
+            found.append(f"step {h.step}: {h.req_id} got {h.blocks} as {h.states}: never used first, then freed "
+                         "blocks in the order they were freed, the hashless one given no preference")
+    return _shown(found, "an allocation that takes never-used blocks and then a hashless freed block")
+
+
 def cached_evicted_in_free_order(run: Run) -> str:
     """Cached blocks are evicted least recently freed first (a request's blocks tail first)."""
     rep = _replay_pool(run)
