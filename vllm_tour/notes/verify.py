@@ -104,12 +104,6 @@ def load_proofs(path: Path, claims: bool = True) -> dict[str, Proof]:
 
 
 def proofs_for_pin(pin: str) -> dict[str, Proof]:
-    """The pin's proofs ({} when it has none): what the site marks as proven."""
-    path = PROOFS_DIR / f"{pin}.toml"
-    return load_proofs(path) if path.is_file() else {}
-
-
-def proofs_for_pin(pin: str) -> dict[str, Proof]:
     """Note id -> Proof on `pin`: the default CPU pin's file as it is; for another release, the default pin's
     claims on the notes that say the same there (no text of the release's own, not hidden there), then the
     release's own file (annotations/proofs/<pin>.toml, if any): the claims of its own text, and other scenarios
