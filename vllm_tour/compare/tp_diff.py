@@ -18,7 +18,6 @@ from vllm_tour.compare.upstream import load_capture
 from vllm_tour.probes.tp import digest
 from vllm_tour.trace.reader import load_run
 
-
 # Captures judged per rank: upstream keeps every rank's (rank 0's alone says nothing of rank 1's)
 RANK_CAPTURES = ("tp.", "moe_partial.", "router_logits.")
 MOE_LAYER = {"router_logits": "mlp.gate", "moe_partial": "mlp.experts"}  # the module of a MoE block a capture is of
