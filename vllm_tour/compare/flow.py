@@ -25,7 +25,8 @@ _LAYER_OPS = (
     ("all_reduce_in.model.layers.{}.self_attn.o_proj", 3), ("o_proj", 4),
     ("gate_up_proj", 5), ("router_logits", 5),
     ("topk_ids", 6), ("topk_weights", 6), ("tokens_per_expert", 6), ("moe.layers", 6),
-    ("moe_partial", 7), ("all_reduce_in.model.layers.{}.mlp.down_proj", 7), ("down_proj", 8), ("moe_out", 8),
+    ("moe_partial", 7), ("all_reduce_in.model.layers.{}.mlp.down_proj", 7), ("all_reduce_in.model.layers.{}.mlp.experts", 7),
+    ("down_proj", 8), ("moe_out", 8), ("mlp.experts", 8),
 )
 _STAGES = {"scheduler": 0, "kv": 1, "runner": 2, "attention": 3}
 MODEL, SAMPLER, CRASH = 4, 5, 6

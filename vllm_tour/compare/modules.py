@@ -29,7 +29,9 @@ class CompareModule:
     summary: str
     components: dict[str, str]  # component -> the reference object it runs ("module:name")
     sections: tuple[str, ...]  # per-step records judged: scheduler, kv, runner, attention
-    captures: tuple[str, ...] = ()  # tensors judged, per layer: attn_out, kv_blocks
+    # tensors judged, per layer: attn_out, kv_blocks, ...; "tp": every tensor a TP model records per rank (its
+    # collectives and column outputs, and a MoE block's router logits and partial output)
+    captures: tuple[str, ...] = ()
     triton: bool = False  # a Triton kernel: compiled on a GPU, the Triton interpreter without one
     needs_gpu: bool = False
     world_size: int = 1  # TP ranks: a module compares only scenarios run at this tensor_parallel_size
@@ -59,6 +61,12 @@ MODULES: dict[str, CompareModule] = {m.name: m for m in (
         "the logits gather",
         components=dict(REFERENCE),
         sections=("scheduler", "kv", "runner"), captures=("tp",), world_size=2, model="reimpl.tp:simulated"),
+    CompareModule(
+        "reimpl.tp_moe", "Qwen3-MoE at TP=2 without expert parallelism (ranks simulated in one process): every "
+        "expert's w13/w2 sharded by TP, the router replicated, each rank's MoE partial all-reduced; the rest as reimpl.tp",
+        components=dict(REFERENCE),
+        sections=("scheduler", "kv", "runner", "moe"), captures=("tp",), world_size=2, model="reimpl.tp_moe:simulated",
+        moe_only=True),
     CompareModule(
         "reimpl.ep", "expert parallelism: the Qwen3-MoE block's routing, and its experts placed on 2 simulated "
         "ranks, run locally and all-reduced (reimpl/ep.py); against upstream at TP=1 or at EP=2",
