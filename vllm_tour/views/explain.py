@@ -35,6 +35,7 @@ from math import ceil
 from vllm_tour.errors import TourError
 from vllm_tour.trace import levels
 from vllm_tour.trace.reader import Run
+from vllm_tour.views.served import abort_of, engine_request, server_record, served_after, siblings
 
 LANGS = ("en", "zh")
 
@@ -222,6 +223,56 @@ MSG: dict[str, dict[str, str]] = {
         "en": "free-block counts, prefix-cache miss causes and evictions",
         "zh": "空闲块数、前缀缓存未命中的原因与驱逐",
     },
+    "arrival_served": {
+        "en": "arrived through the API as {api} ({t} s into the run, at the front end): {tokens} prompt tokens; in the "
+              "engine's waiting queue by step {step}",
+        "zh": "通过 API 到达，客户端拿到的 id 是 {api}（前端在运行开始后 {t} 秒收到）：提示词 {tokens} 个 token；第 {step} 步时已在引擎的等待队列中",
+    },
+    "arrival_served_unknown": {
+        "en": "arrived through the API as {api} ({t} s into the run, at the front end): {tokens} prompt tokens; the step it "
+              "reached the engine by is not established (the recorded waiting counts do not fit the front end's arrivals)",
+        "zh": "通过 API 到达，客户端拿到的 id 是 {api}（前端在运行开始后 {t} 秒收到）：提示词 {tokens} 个 token；它在哪一步之前进入引擎无法确定"
+              "（记录的等待数量与前端的到达时间对不上）",
+    },
+    "served_unrecorded": {
+        "en": "the server's front end recorded nothing for this request: its API id and arrival are not known",
+        "zh": "服务器前端没有记录这个请求：它的 API id 与到达时间未知",
+    },
+    "served_child": {
+        "en": "one of the n = {n} choices the client asked for in {api} (index {index}): the front end made one engine "
+              "request per choice under the parent {parent}; the other(s): {others}",
+        "zh": "客户端在 {api} 中要求 n = {n} 个候选，这是其中之一（序号 {index}）：前端为每个候选建一个引擎请求，父请求为 {parent}；"
+              "其余：{others}",
+    },
+    "abort": {
+        "en": "aborted: {who}. The engine dropped it while {status} (Scheduler.finish_requests, FINISHED_ABORTED) with "
+              "{computed} computed tokens and {outputs} generated, holding blocks {held}; {freed}{kept}. When the client "
+              "hung up is not recorded: this is the step the engine dropped it",
+        "zh": "被中止：{who}。引擎在它处于 {status} 状态时丢弃了它（Scheduler.finish_requests，FINISHED_ABORTED），"
+              "当时已计算 {computed} 个 token、生成 {outputs} 个，持有块 {held}；{freed}{kept}。客户端何时断开没有记录：这是引擎丢弃它的那一步",
+    },
+    "abort_client": {
+        "en": "the client closed the stream (the front end reported finish_reason abort after {tokens} tokens, and the "
+              "server went on serving: {later} arrived later)",
+        "zh": "客户端关闭了流（前端在 {tokens} 个 token 之后报告 finish_reason abort，且服务器之后仍在服务：{later} 在它之后到达）",
+    },
+    "abort_client_or_shutdown": {
+        "en": "the client closed the stream or the server shut down, the records do not say which (nothing arrived after it)",
+        "zh": "客户端关闭了流，或服务器在关闭，记录无法区分（它之后没有请求到达）",
+    },
+    "abort_freed_at": {
+        "en": "blocks {blocks} went back to the free list (step {next}'s kv.freed)",
+        "zh": "块 {blocks} 回到了空闲队列（第 {next} 步的 kv.freed）",
+    },
+    "abort_freed_unseen": {
+        "en": "blocks {blocks} went back to the free list (no later step recorded them in kv.freed)",
+        "zh": "块 {blocks} 回到了空闲队列（之后没有哪一步在 kv.freed 中记录它们）",
+    },
+    "abort_none_freed": {"en": "none went back to the free list", "zh": "没有块回到空闲队列"},
+    "abort_kept": {
+        "en": "; blocks {kept} kept a reference (another request shares them, or upstream defers them)",
+        "zh": "；块 {kept} 仍有引用（另一个请求共享它们，或上游推迟释放）",
+    },
     "queue_mismatch": {
         "en": " (the rebuilt queues do not match the recorded waiting/running counts at this step)",
         "zh": "（本步重建的队列与记录的 waiting/running 数量不符）",
@@ -290,34 +341,45 @@ class _Timeline:
     def __init__(self, run: Run):
         self.run = run
         self.arrived: dict[str, int] = {}  # request -> the first step it was in the engine
-        self.finish_step: dict[str, int] = {}  # request -> the step that computed its last token
+        self.finish_step: dict[str, int] = {}  # request -> the step that computed its last token (or dropped it)
         done = {o.req_id for o in run.outputs.requests if o.finish_reason} if run.outputs else set()
         for s in run.steps:
             if s.scheduler:
                 for r in s.scheduler.scheduled:
                     if r.req_id in done:
                         self.finish_step[r.req_id] = s.index
+            for a in s.aborts:  # dropped between this step's schedule() and its update: gone from the queues after it
+                self.finish_step[a.req_id] = s.index
         self.states: dict[int, StepState] = {}
         self._rebuild()
 
     def _rebuild(self) -> None:
-        # The driver (engine/run.py _drive) adds, before engine step d+1, every request with arrival_step <= d,
-        # and the next one whatever its arrival_step when the engine has nothing unfinished; in request order.
-        pending = sorted(self.run.meta.requests, key=lambda r: r.arrival_step)
+        served = bool(self.run.server_requests)
+        # Offline: the driver (engine/run.py _drive) adds, before engine step d+1, every request with arrival_step
+        # <= d, and the next one whatever its arrival_step when the engine has nothing unfinished; in request order.
+        # Served: clients add requests whenever they like; see _arrivals_served.
+        pending = (sorted(self.run.server_requests, key=lambda r: r.arrival_time) if served
+                   else sorted(self.run.meta.requests, key=lambda r: r.arrival_step))
         waiting: list[str] = []
         running: list[str] = []
         finished: set[str] = set()
         for s in self.run.steps:
-            d = s.index - 1
-            while pending and (pending[0].arrival_step <= d or not (set(self.arrived) - finished)):
-                rid = pending.pop(0).req_id
-                self.arrived[rid] = s.index
-                waiting.append(rid)
             sch = s.scheduler
-            if sch is None:
-                continue
+            arrivals_known = True
+            if served:
+                if sch is None:
+                    continue
+                arrivals_known = self._arrivals_served(s, pending, waiting)
+            else:
+                d = s.index - 1
+                while pending and (pending[0].arrival_step <= d or not (set(self.arrived) - finished)):
+                    rid = pending.pop(0).req_id
+                    self.arrived[rid] = s.index
+                    waiting.append(rid)
+                if sch is None:
+                    continue
             st = StepState(s.index, list(waiting), list(running),
-                           consistent=(len(waiting), len(running)) == (sch.waiting_before, sch.running_before))
+                           consistent=arrivals_known and (len(waiting), len(running)) == (sch.waiting_before, sch.running_before))
             victims = [p.req_id for p in sch.preempted]
             for v in victims:  # the running loop pops victims from the tail (FCFS)
                 st.victims_last &= bool(running) and running[-1] == v
@@ -333,10 +395,28 @@ class _Timeline:
             waiting = list(st.left)
             for v in victims:  # each victim is prepended (sched-preempt-prepend)
                 waiting.insert(0, v)
-            for rid in [r for r in running if self.finish_step.get(r) == s.index]:
-                running.remove(rid)
+            for rid in [r for r in running + waiting if self.finish_step.get(r) == s.index]:
+                (running if rid in running else waiting).remove(rid)
                 finished.add(rid)
             self.states[s.index] = st
+
+    def _arrivals_served(self, s, pending: list, waiting: list[str]) -> bool:
+        """Move the requests that reached the engine before step `s` from `pending` to `waiting`; False when the
+        records cannot say which they were.
+
+        Nothing records when a request reached the EngineCore. The front end records when it made each one, in
+        the order the engine receives them; the scheduler records how many were waiting at the start of each step.
+        The newcomers are the difference between that count and the requests still waiting from before, taken
+        in front-end order -- each must have been made before this step's schedule() ended."""
+        sch = s.scheduler
+        new = sch.waiting_before - len(waiting)
+        if new < 0 or new > len(pending) or any(r.arrival_time > sch.time for r in pending[:new]):
+            return False
+        for r in pending[:new]:
+            self.arrived[r.req_id] = s.index
+            waiting.append(r.req_id)
+        del pending[:new]
+        return True
 
 
 # --- the explanation ---------------------------------------------------------------------------------------------
@@ -354,8 +434,8 @@ class Explanation:
     def summary(self, lang: str = "en", limit: int = 8) -> list[str]:
         """A few lines: the turns that matter (waits, preemptions, resumes, why the cache missed, the finish), not
         every chunk; a miss line stands for the zero-hit line before it."""
-        keep = [ln for ln in self.lines if ln.topic in ("wait", "preempt", "resume", "cache", "finish", "level")
-                and ln.cause not in ("no_hit", None)]
+        keep = [ln for ln in self.lines if (ln.topic in ("wait", "preempt", "resume", "cache", "finish", "level")
+                or ln.cause == "n_child") and ln.cause not in ("no_hit", None)]
         out = [_prefix(ln, lang) + ln.text(lang) for ln in keep]
         return out if len(out) <= limit else out[: limit - 1] + [MORE[lang].format(n=len(out) - limit + 1)]
 
@@ -492,12 +572,11 @@ class _Explainer:
 
     def request(self, rid: str) -> Explanation:
         run = self.run
-        if rid not in run.request_ids():
-            raise TourError(f"no request {rid!r} in {run.path.name} (requests: {', '.join(run.request_ids())})")
-        lines: list[Line] = []
+        rid = engine_request(run, rid)
         spec = next(r for r in run.meta.requests if r.req_id == rid)
         arrived = self.tl.arrived.get(rid)
-        if arrived is not None:
+        lines = self.served_lines(rid, arrived) if run.server_requests else []
+        if arrived is not None and not run.server_requests:
             early = arrived < spec.arrival_step + 1
             lines.append(Line("arrival", "arrival_early" if early else "arrival",
                               {"step": arrived, "arrival": spec.arrival_step, "tokens": self.prompt_len.get(rid, 0)},
@@ -550,6 +629,54 @@ class _Explainer:
             lines.append(Line("level", "level", {"level": run.meta.level, "what": ""}, ["meta.level"], [],
                               sub=[("what", ("level_what", {}))]))
         return Explanation(run.path.name, run.meta.pin, run.meta.level, f"request {rid}", _merge(lines))
+
+    def served_lines(self, rid: str, arrived: int | None) -> list[Line]:
+        """A served request's arrival: the API id the client got, when the front end made it, the step it reached
+        the engine by (rebuilt: see _Timeline._arrivals_served), and, for one of n > 1 choices, its parent."""
+        rec = server_record(self.run, rid)
+        if rec is None:
+            return [Line("arrival", "served_unrecorded", {}, ["server_requests"], [])]
+        fields = ["server_requests[].api_id", "server_requests[].arrival_time", "scheduler.waiting_before"]
+        at = {"api": rec.api_id, "t": f"{rec.arrival_time - self.run.meta.started:.3f}",
+              "tokens": len(rec.prompt_token_ids), "step": arrived}
+        if arrived is None:
+            out = [Line("arrival", "arrival_served_unknown", at, fields, ["sched-add-request"], "unknown")]
+        else:
+            out = [Line("arrival", "arrival_served", at, fields, ["sched-add-request", "core-busy-loop"], "api")]
+        if rec.parent_id is not None:
+            out.append(Line("arrival", "served_child", {"index": rec.index, "n": rec.n, "api": rec.api_id,
+                                                        "parent": rec.parent_id,
+                                                        "others": ", ".join(siblings(self.run, rec)) or "-"},
+                            ["server_requests[].parent_id", "server_requests[].index", "server_requests[].n"], [],
+                            "n_child"))
+        return out
+
+    def abort_lines(self, rid: str) -> list[Line]:
+        """How an aborted request ended: who ended it (as far as the records say), the step the engine dropped it
+        at, the blocks it held and those freed, and where the freed ones show."""
+        step, a = abort_of(self.run, rid)
+        rec = server_record(self.run, rid)
+        later = served_after(self.run, a)
+        fields = ["abort.step", "abort.status_before", "abort.num_computed_tokens", "abort.block_ids",
+                  "abort.freed_block_ids"]
+        if rec is not None and rec.finish_reason == "abort" and later:
+            who, cause = ("abort_client", {"tokens": len(rec.token_ids), "later": later[0].api_id}), "client_closed"
+            fields += ["server_requests[].finish_reason", "server_requests[].arrival_time"]
+        else:
+            who, cause = ("abort_client_or_shutdown", {}), "aborted"
+        nxt = next((s for s in self.run.steps if s.index > step and s.kv is not None), None)
+        if not a.freed_block_ids:
+            freed = ("abort_none_freed", {})
+        elif nxt is not None and set(a.freed_block_ids) <= set(nxt.kv.freed):
+            freed, fields = ("abort_freed_at", {"blocks": a.freed_block_ids, "next": nxt.index}), fields + ["kv.freed"]
+        else:
+            freed = ("abort_freed_unseen", {"blocks": a.freed_block_ids})
+        kept = [b for b in a.block_ids if b not in a.freed_block_ids]
+        return [Line("finish", "abort", {"who": "", "status": a.status_before, "computed": a.num_computed_tokens,
+                                         "outputs": a.num_output_tokens, "held": a.block_ids, "freed": "", "kept": ""},
+                     fields, ["core-busy-loop", "sched-finish-free", "kvm-free-reverse"], cause, (step, step),
+                     sub=[("who", who), ("freed", freed),
+                          ("kept", ("abort_kept", {"kept": kept}) if kept else ("", {}))])]
 
     def preempt_line(self, rid: str, s, p) -> Line:
         n = s.index
@@ -621,6 +748,8 @@ class _Explainer:
         return out
 
     def finish_lines(self, rid: str) -> list[Line]:
+        if abort_of(self.run, rid) is not None:
+            return self.abort_lines(rid)
         o = self.outputs.get(rid)
         last = self.tl.finish_step.get(rid)
         if o is None or last is None:
