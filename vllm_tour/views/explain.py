@@ -35,6 +35,8 @@ from math import ceil
 from vllm_tour.errors import TourError
 from vllm_tour.trace import levels
 from vllm_tour.trace.reader import Run
+from vllm_tour.upstream.pins import pin_profile
+from vllm_tour.views import free_queue
 from vllm_tour.views.served import abort_of, engine_request, server_record, served_after, siblings
 
 LANGS = ("en", "zh")
@@ -273,6 +275,34 @@ MSG: dict[str, dict[str, str]] = {
         "en": "; blocks {kept} kept a reference (another request shares them, or upstream defers them)",
         "zh": "；块 {kept} 仍有引用（另一个请求共享它们，或上游推迟释放）",
     },
+    "alloc_head": {
+        "en": "new blocks {blocks}: the head of the free queue, rebuilt from the records under {pin}'s rule: {rule}",
+        "zh": "新块 {blocks}：空闲队列的队首（按 {pin} 的规则由记录重建）：{rule}",
+    },
+    "alloc_mismatch": {
+        "en": "new blocks {blocks}; the free queue rebuilt under {pin}'s rule ({rule}) has {expected} at its head: the "
+              "records do not establish why these",
+        "zh": "新块 {blocks}；按 {pin} 的规则（{rule}）重建的空闲队列队首是 {expected}：记录无法确定为什么是这些块",
+    },
+    "alloc_lost": {
+        "en": "new blocks {blocks}; the rebuilt free queue lost track at an earlier step, so why these is not established",
+        "zh": "新块 {blocks}；重建的空闲队列在更早的一步已对不上，所以无法确定为什么是这些块",
+    },
+    "alloc_policy_unknown": {
+        "en": "new blocks {blocks}; which free blocks are handed out first is not known here: {why}",
+        "zh": "新块 {blocks}；此处不知道哪些空闲块先被分出：{why}",
+    },
+    "rule_append_all": {
+        "en": "BlockPool.free_blocks appends every freed block at the back, cached or not (free_queue_policy = "
+              "append_all, pins/{pin}.toml)",
+        "zh": "BlockPool.free_blocks 把每个被释放的块都追加到队尾，不论是否带缓存（free_queue_policy = append_all，pins/{pin}.toml）",
+    },
+    "rule_uncached_to_front": {
+        "en": "BlockPool.free_blocks puts freed blocks without a hash at the front (reused first) and cached ones at "
+              "the back (free_queue_policy = uncached_to_front, pins/{pin}.toml)",
+        "zh": "BlockPool.free_blocks 把没有哈希的释放块放到队首（最先复用），带缓存的放到队尾（free_queue_policy = "
+              "uncached_to_front，pins/{pin}.toml）",
+    },
     "queue_mismatch": {
         "en": " (the rebuilt queues do not match the recorded waiting/running counts at this step)",
         "zh": "（本步重建的队列与记录的 waiting/running 数量不符）",
@@ -480,6 +510,8 @@ class _Explainer:
                 for r in s.scheduler.scheduled:
                     self.sched_rows.setdefault(r.req_id, []).append((s.index, r))
         self._cache = _CacheSim(self) if self.blocks else None
+        self.free_policy, self.no_policy = _free_queue_policy(run.meta.pin)
+        self.allocs = free_queue.rebuild(run, self.free_policy, self._cache.hashed) if self._cache and self.free_policy else {}
 
     # -- numbers the sentences use
 
@@ -619,6 +651,7 @@ class _Explainer:
                                        "scheduler.scheduled[].num_scheduled_tokens"], ["sched-admit", "sched-prefix-lookup"],
                                       r.kind, (n, n)))
                 lines += self.cache_lines(rid, s, r)
+                lines += self.alloc_lines(rid, s)
             chunk = self.chunk_line(rid, s, r)
             if chunk is not None:
                 lines.append(chunk)
@@ -677,6 +710,32 @@ class _Explainer:
                      fields, ["core-busy-loop", "sched-finish-free", "kvm-free-reverse"], cause, (step, step),
                      sub=[("who", who), ("freed", freed),
                           ("kept", ("abort_kept", {"kept": kept}) if kept else ("", {}))])]
+
+    def policy_rule(self) -> tuple[str, dict]:
+        return (f"rule_{self.free_policy}", {"pin": self.run.meta.pin})
+
+    def policy_notes(self) -> list[str]:
+        return ["pool-get-new", "kvm-free-reverse"] + (["pool-free-order"] if self.free_policy == "uncached_to_front" else [])
+
+    def alloc_lines(self, rid: str, s) -> list[Line]:
+        """Which blocks an admission got, and why those: the head of the free queue, whose order the release's
+        free-queue policy (pin profile) builds -- checked against the queue rebuilt from the records."""
+        got = s.kv.allocated.get(rid, []) if s.kv else []
+        if not got:
+            return []
+        n = s.index
+        fields = ["kv.allocated", "kv.freed", "kv.prefix_hits", "kv.num_blocks", f"pins/{self.run.meta.pin}.toml [profile] free_queue_policy"]
+        if self.free_policy is None:
+            return [Line("alloc", "alloc_policy_unknown", {"blocks": got, "why": self.no_policy}, fields[:4],
+                         ["pool-get-new"], "policy_unknown", (n, n))]
+        a = self.allocs.get((n, rid))
+        if a is None or a.expected is None:
+            return [Line("alloc", "alloc_lost", {"blocks": got}, fields, [], "unknown", (n, n))]
+        if a.expected != got:
+            return [Line("alloc", "alloc_mismatch", {"blocks": got, "expected": a.expected, "pin": self.run.meta.pin, "rule": ""},
+                         fields, [], "unknown", (n, n), sub=[("rule", self.policy_rule())])]
+        return [Line("alloc", "alloc_head", {"blocks": got, "pin": self.run.meta.pin, "rule": ""}, fields,
+                     self.policy_notes(), f"free_queue_{self.free_policy}", (n, n), sub=[("rule", self.policy_rule())])]
 
     def preempt_line(self, rid: str, s, p) -> Line:
         n = s.index
@@ -892,6 +951,13 @@ class _CacheSim:
                     live[b] = key
                     self.history.setdefault(key, []).append([s.index, b, r.req_id, None])
 
+    def hashed(self, block: int, step: int) -> bool:
+        """Whether `block` held a cached prefix when it was freed during `step` (never, with prefix caching off)."""
+        if self.ex.run.meta.engine_args.get("enable_prefix_caching") is False:
+            return False
+        return any(h[1] == block and h[0] < step and (h[3] is None or h[3] >= step)
+                   for hist in self.history.values() for h in hist)
+
     def miss(self, rid: str, step: int, hit: int, tokens: int) -> list[Line]:
         seq = self.ex.seq.get(rid, [])
         i = hit // self.bs
@@ -913,8 +979,8 @@ class _CacheSim:
                 h = max(gone, key=lambda h: h[3])
                 by = self.evicted_by.get((h[3], h[1]), "?")
                 return [Line("cache", "miss_evicted", {**base, "block": h[1], "owner": h[2], "step": h[3], "by": by},
-                             fields, ["pool-evict-on-reuse", "pool-free-order", "kvm-free-reverse"], "evicted",
-                             (step, step))] + tail
+                             fields, ["pool-evict-on-reuse", *self.ex.policy_notes()] if self.ex.free_policy else
+                             ["pool-evict-on-reuse"], "evicted", (step, step))] + tail
             return [Line("cache", "miss_unknown", {**base, "why": {"en": "the rebuilt cache still held these tokens", "zh": "重建的缓存中这些 token 仍在"}}, fields, [],
                          "unknown", (step, step))]
         same = [h for h in hist if h[0] == step and h[2] != rid]
@@ -927,6 +993,22 @@ class _CacheSim:
                          ["kvm-cache-blocks"], "not_yet_computed", (step, step))] + tail
         return [Line("cache", "miss_first", base, fields, ["kvm-hash-chain", "kvm-longest-hit"], "never_computed",
                      (step, step))] + tail
+
+
+def _free_queue_policy(pin: str) -> tuple[str | None, dict | None]:
+    """The release's free-queue policy as its pin profile states it, or None and why it is not known (never a
+    default: the policy differs between releases)."""
+    try:
+        policy = pin_profile(pin).stated("free_queue_policy")
+    except TourError:
+        return None, {"en": f"there is no pin file pins/{pin}.toml", "zh": f"没有 pins/{pin}.toml 这个 pin 文件"}
+    if policy is None:
+        return None, {"en": f"pins/{pin}.toml [profile] gives no free_queue_policy",
+                      "zh": f"pins/{pin}.toml 的 [profile] 没有给出 free_queue_policy"}
+    if policy not in free_queue.POLICIES:
+        return None, {"en": f"pins/{pin}.toml gives free_queue_policy {policy!r}, none explain knows",
+                      "zh": f"pins/{pin}.toml 给出的 free_queue_policy {policy!r} 不是 explain 认识的"}
+    return policy, None
 
 
 def _merge(lines: list[Line]) -> list[Line]:
