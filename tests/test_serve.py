@@ -8,6 +8,7 @@ SIGINT, as Ctrl-C sends it. The tests read the run it leaves.
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import re
@@ -202,6 +203,49 @@ def test_show_reads_the_served_run(served, cli):
     r = cli("show", served.out)
     assert r.returncode == 0, r.stderr
     assert "ABORT" in r.stdout and "server requests" in r.stdout and served.n2.id in r.stdout
+
+
+def test_explain_rebuilds_the_served_queues_from_the_records(served):
+    """Requests arrive whenever clients send them: the waiting queue is rebuilt from the front end's arrival times
+    and the recorded waiting counts, and must match the recorded queue lengths at every step."""
+    from vllm_tour.views.explain import _Explainer
+
+    ex = _Explainer(served.run)
+    assert ex.tl.states and all(st.consistent for st in ex.tl.states.values())
+    first = {}
+    for s in served.run.steps:
+        for x in s.scheduler.scheduled:
+            first.setdefault(x.req_id, s.index)
+    for r in served.run.server_requests:  # each reached the engine by the step that first scheduled it, not after
+        assert ex.tl.arrived[r.req_id] <= first[r.req_id], r.req_id
+    # every admission's new blocks are the head of the free queue rebuilt under the pin's policy
+    assert ex.allocs and all(a.expected == a.blocks for a in ex.allocs.values())
+
+
+def test_explain_tells_the_abort_story_by_api_id(served, cli):
+    r = cli("explain", served.out, "--request", served.aborted_id, "--json")
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    rec = next(x for x in served.run.server_requests if x.api_id == served.aborted_id)
+    assert data["subject"] == f"request {rec.req_id}"  # the API id named its engine request
+    step, a = next((s.index, a) for s in served.run.steps for a in s.aborts if a.req_id == rec.req_id)
+    (ln,) = [x for x in data["lines"] if x["topic"] == "finish"]
+    assert ln["cause"] == "client_closed" and ln["steps"] == [step, step]
+    nxt = next(s.index for s in served.run.steps if s.index > step and s.kv)
+    assert f"{a.freed_block_ids} went back to the free list (step {nxt}'s kv.freed)" in ln["text"]
+    assert f"while {a.status_before}" in ln["text"] and "When the client hung up is not recorded" in ln["text"]
+
+
+def test_explain_names_an_n2_childs_parent(served, cli):
+    kids = sorted((x for x in served.run.server_requests if x.api_id == served.n2.id), key=lambda x: x.index)
+    r = cli("explain", served.out, "--request", kids[1].req_id, "--json")
+    assert r.returncode == 0, r.stderr
+    (ln,) = [x for x in json.loads(r.stdout)["lines"] if x["cause"] == "n_child"]
+    assert f"n = 2 choices the client asked for in {served.n2.id} (index 1)" in ln["text"]
+    assert kids[1].parent_id in ln["text"] and kids[0].req_id in ln["text"]
+    both = cli("explain", served.out, "--request", served.n2.id)  # the API id of two engine requests: name one
+    assert both.returncode == 2 and both.stderr.strip().count("\n") == 0
+    assert f"{kids[0].req_id}, {kids[1].req_id}" in both.stderr
 
 
 def test_serve_refuses_a_port_in_use_and_leaves_no_run_dir(cli, tmp_path):
