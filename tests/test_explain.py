@@ -419,3 +419,33 @@ def test_a_pin_without_the_fact_says_it_does_not_know(tmp_path, monkeypatch):
     assert ln.cause == "policy_unknown" and "pins/v0.20.0.toml [profile] gives no free_queue_policy" in ln.text()
     evicted = next(ln for ln in ex.lines if ln.cause == "evicted")
     assert evicted.notes == ["pool-evict-on-reuse"]  # the eviction is recorded; no rule is cited for the order
+
+
+# --- the site's trace pages carry it --------------------------------------------------------------------------------
+
+
+def test_site_trace_page_carries_each_requests_explanation(cli):
+    """Each request of a golden has its turns on the trace page, in both languages, the same sentences `explain
+    --json` gives scripts, each rule linked to its note."""
+    import html
+
+    from vllm_tour.site.traces import trace_page
+
+    run = _run("preemption")
+    _, page = trace_page(run, run.meta.pin, lambda nid: f"../notes.html#note-{nid}")
+    why = page.split('<section id="why">', 1)[1]
+    li = re.compile(r'<li data-cause="([^"]*)"><span class="i18n " lang="en">(.*?)</span><span class="i18n " lang="zh">(.*?)</span>(.*?)</li>')
+    for rid in run.request_ids():
+        items = li.findall(why.split(f'<h3 id="why-{rid}">', 1)[1].split("</ul>", 1)[0])
+        by_lang = {lang: explain(run, request=rid).to_json(lang)["lines"] for lang in ("en", "zh")}
+        if rid == "r2":  # what a script gets from the command itself
+            r = cli("explain", "traces/golden/preemption", "--request", rid, "--json")
+            assert json.loads(r.stdout)["lines"] == by_lang["en"]
+        expected = [i for i, ln in enumerate(by_lang["en"]) if ln["topic"] in ("wait", "preempt", "resume", "cache", "finish", "level")
+                    and ln["cause"] not in ("no_hit", None)]
+        assert [c for c, *_ in items] == [by_lang["en"][i]["cause"] for i in expected], rid
+        for (cause, en, zh, rules), i in zip(items, expected):
+            assert html.unescape(en).endswith(by_lang["en"][i]["text"]) and html.unescape(zh).endswith(by_lang["zh"][i]["text"])
+            for note in by_lang["en"][i]["notes"]:
+                assert f'href="../notes.html#note-{note}"' in rules
+    assert 'data-cause="victim_self"' in why.split('<h3 id="why-r2">')[1]  # r2's preemption is among its turns

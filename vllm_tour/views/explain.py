@@ -461,12 +461,15 @@ class Explanation:
     lines: list[Line]
     table: list[dict] = field(default_factory=list)  # --cache rows
 
-    def summary(self, lang: str = "en", limit: int = 8) -> list[str]:
-        """A few lines: the turns that matter (waits, preemptions, resumes, why the cache missed, the finish), not
-        every chunk; a miss line stands for the zero-hit line before it."""
-        keep = [ln for ln in self.lines if (ln.topic in ("wait", "preempt", "resume", "cache", "finish", "level")
+    def turns(self) -> list[Line]:
+        """The turns that matter (waits, preemptions, resumes, why the cache missed, the finish, whose choice a
+        served request is), not every chunk; a miss line stands for the zero-hit line before it."""
+        return [ln for ln in self.lines if (ln.topic in ("wait", "preempt", "resume", "cache", "finish", "level")
                 or ln.cause == "n_child") and ln.cause not in ("no_hit", None)]
-        out = [_prefix(ln, lang) + ln.text(lang) for ln in keep]
+
+    def summary(self, lang: str = "en", limit: int = 8) -> list[str]:
+        """A few lines: the turns, cut at `limit`."""
+        out = [line_text(ln, lang) for ln in self.turns()]
         return out if len(out) <= limit else out[: limit - 1] + [MORE[lang].format(n=len(out) - limit + 1)]
 
     def to_json(self, lang: str = "en") -> dict:
@@ -477,6 +480,11 @@ class Explanation:
 
 
 STEP = {"en": ("step {a}: ", "steps {a}-{b}: "), "zh": ("第 {a} 步：", "第 {a}-{b} 步：")}
+
+
+def line_text(ln: Line, lang: str = "en") -> str:
+    """A line as printed: its step or steps, then its sentence."""
+    return _prefix(ln, lang) + ln.text(lang)
 
 
 def _prefix(ln: Line, lang: str = "en") -> str:
@@ -1042,6 +1050,14 @@ def explain(run: Run, request: str | None = None, step: int | None = None, cache
     if step is not None:
         return ex.step(step)
     return ex.cache()
+
+
+def explain_requests(run: Run) -> dict[str, Explanation]:
+    """Every request's explanation, the records read once ({} for a run without scheduler records)."""
+    if not any(s.scheduler for s in run.steps):
+        return {}
+    ex = _Explainer(run)
+    return {rid: ex.request(rid) for rid in run.request_ids()}
 
 
 def request_summary(run: Run, rid: str, lang: str = "en", limit: int = 8) -> list[str]:
