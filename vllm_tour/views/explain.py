@@ -37,7 +37,13 @@ from vllm_tour.trace import levels
 from vllm_tour.trace.reader import Run
 from vllm_tour.upstream.pins import pin_profile
 from vllm_tour.views import free_queue
-from vllm_tour.views.served import abort_of, engine_request, server_record, served_after, siblings
+from vllm_tour.views.served import (
+    abort_of,
+    engine_request,
+    served_after,
+    server_record,
+    siblings,
+)
 
 LANGS = ("en", "zh")
 

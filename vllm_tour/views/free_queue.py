@@ -14,8 +14,8 @@ records do not fit it (from then on the rebuild has lost track and says nothing)
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from vllm_tour.trace.reader import Run
 

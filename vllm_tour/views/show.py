@@ -8,7 +8,6 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from vllm_tour.errors import TourError
 from vllm_tour.trace import levels
 from vllm_tour.trace.experts import expert_view, moe_detail
 from vllm_tour.trace.reader import Run, Step
