@@ -23,7 +23,17 @@ The rules, as Scheduler.schedule applies them at v0.32.0 (and v0.21.0):
   the walk, and everyone behind it waits too (kvm-reserve-full-isl, sched-waiting-alloc-fail);
 - a prefix-cache hit is the longest run of cached full blocks from the start, capped at num_tokens - 1
   (kvm-longest-hit, kvm-hash-full-only, kvm-hit-cap); blocks are cached at allocation (kvm-cache-blocks) and
-  lose their hash only when reused for other content (pool-evict-on-reuse).
+  lose their hash only when reused for other content (pool-evict-on-reuse);
+- new blocks come from the head of the free queue (pool-get-new), whose order free_blocks builds: that rule differs
+  between releases, so it is read from the pin profile (`free_queue_policy`) and never assumed; a pin that does not
+  state it gets "not known" (free_queue.py rebuilds the queue and checks every allocation against it).
+Read against the sources of v0.21.0, v0.31.0 and v0.32.0 (2026-12-02), the rules above hold on all three but for the
+free-queue order; max_num_active_seqs exists from v0.31.0 on (an engine argument 0.21.0 does not take, so its runs
+never record it).
+
+Served runs (`vllm-tour serve`): requests come from clients, not from meta.requests' arrival steps. The front end's
+records (server_requests) give each one's API id, arrival time and, for n > 1, its parent; an abort record gives the
+step the engine dropped it at and the blocks it freed (served.py).
 """
 
 from __future__ import annotations
