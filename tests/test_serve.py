@@ -234,6 +234,40 @@ def test_explain_tells_the_abort_story_by_api_id(served, cli):
     nxt = next(s.index for s in served.run.steps if s.index > step and s.kv)
     assert f"{a.freed_block_ids} went back to the free list (step {nxt}'s kv.freed)" in ln["text"]
     assert f"while {a.status_before}" in ln["text"] and "When the client hung up is not recorded" in ln["text"]
+    # the step view tells it too, under the request's engine id
+    at = json.loads(cli("explain", served.out, "--step", step, "--json").stdout)
+    assert [(x["request"], x["cause"]) for x in at["lines"] if x["topic"] == "finish" and x["cause"] is not None] == \
+        [(rec.req_id, "client_closed")]
+
+
+def test_explain_is_silent_where_served_arrivals_do_not_fit(served, tmp_path):
+    """A waiting count the front end's arrivals cannot make (more newcomers than requests made by then): the
+    arrival step of those requests, and the queues at that step, are not established, and explain says so."""
+    import shutil
+
+    from vllm_tour.views.explain import _Explainer, explain
+
+    step = next(s for s in served.run.steps if s.scheduler.waiting_before > 0)
+    run_dir = tmp_path / "run"
+    shutil.copytree(served.out, run_dir)
+    for f in run_dir.glob("records.*.jsonl"):
+        lines = [json.loads(x) for x in f.read_text().splitlines()]
+        for rec in lines:
+            if rec["kind"] == "scheduler" and rec["step"] == step.index:
+                rec["waiting_before"] = len(served.run.server_requests) + 1
+        f.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    run = load_run(run_dir)
+    states = _Explainer(run).tl.states
+    assert not any(st.consistent for n, st in states.items() if n >= step.index)  # lost from there on, never guessed
+    first = {}
+    for s in served.run.steps:
+        for x in s.scheduler.scheduled:
+            first.setdefault(x.req_id, s.index)
+    later = [rid for rid, n in first.items() if n >= step.index]
+    assert later
+    for rid in later:
+        (ln,) = [x for x in explain(run, request=rid).lines if x.topic == "arrival" and x.cause in ("api", "unknown")]
+        assert ln.cause == "unknown" and "is not established" in ln.text(), rid
 
 
 def test_explain_names_an_n2_childs_parent(served, cli):

@@ -409,13 +409,13 @@ class _Timeline:
         waiting: list[str] = []
         running: list[str] = []
         finished: set[str] = set()
+        arrivals_known = True  # served: once a step's newcomers cannot be told, no later step's can
         for s in self.run.steps:
             sch = s.scheduler
-            arrivals_known = True
             if served:
                 if sch is None:
                     continue
-                arrivals_known = self._arrivals_served(s, pending, waiting)
+                arrivals_known = arrivals_known and self._arrivals_served(s, pending, waiting)
             else:
                 d = s.index - 1
                 while pending and (pending[0].arrival_step <= d or not (set(self.arrived) - finished)):
@@ -640,10 +640,12 @@ class _Explainer:
         rows = dict(self.sched_rows.get(rid, []))
         preempted_at = {s.index: p for s in run.steps if s.scheduler for p in s.scheduler.preempted if p.req_id == rid}
         end = self.tl.finish_step.get(rid, run.steps[-1].index)
+        # without a known arrival (served, records that do not fit) the story starts where the records first show it
+        start = arrived if arrived is not None else min(rows, default=None)
         last_preempt = None
         for s in run.steps:
             n = s.index
-            if arrived is None or n < arrived or n > end or s.scheduler is None:
+            if start is None or n < start or n > end or s.scheduler is None:
                 continue
             if n in preempted_at:
                 lines.append(self.preempt_line(rid, s, preempted_at[n]))
@@ -886,6 +888,10 @@ class _Explainer:
             for rid in [r for r in st.running if r not in scheduled and r not in victims] + st.left:
                 ln = self.wait_line(rid, s)
                 ln.who = rid
+                lines.append(ln)
+        for a in s.aborts:  # dropped during this step (a client that hung up, a shutdown)
+            for ln in self.abort_lines(a.req_id):
+                ln.who = a.req_id
                 lines.append(ln)
         if sch.finished:
             lines.append(Line("finish", "step_finished", {"who": ", ".join(sch.finished)}, ["scheduler.finished", "kv.freed"],
