@@ -3,7 +3,7 @@
 One server per module (it takes ~30 s to start on 2 idle cores, longer on a busy machine): 8 concurrent
 streaming chat completions, a completion with n=2, a stream the client closes after 3 chunks, then a last
 small request (so a step runs after the abort and its freed blocks show in that step's KV record); then
-SIGINT, as Ctrl-C sends it. The tests read the run it leaves.
+a completion cut by a stop string; then SIGINT, as Ctrl-C sends it. The tests read the run it leaves.
 """
 
 from __future__ import annotations
@@ -115,6 +115,10 @@ def served(tmp_path_factory):
         stream.close()
         _await_abort(out)
         last = client.completions.create(model=MODEL, prompt="after the abort", max_tokens=2)
+        # A stop string: the front end finds it in the text and has the engine drop the request (an abort there).
+        plain = client.completions.create(model=MODEL, prompt="stop here", max_tokens=12, temperature=0).choices[0].text
+        stop = next(c for c in plain[1:] if c.isalnum())  # greedy: the same text again, cut at this character
+        stopped = client.completions.create(model=MODEL, prompt="stop here", max_tokens=12, temperature=0, stop=[stop])
 
         proc.send_signal(signal.SIGINT)  # what Ctrl-C sends
         _wait_for(q, r"stopped after", seen, 120)
@@ -124,7 +128,7 @@ def served(tmp_path_factory):
             proc.kill()
             proc.wait()
     return SimpleNamespace(out=out, rc=rc, output="".join(seen), chats=chats, n2=n2, aborted_id=got[0].id, last=last,
-                           started_s=started_s, run=load_run(out))
+                           stopped=stopped, stop=stop, started_s=started_s, run=load_run(out))
 
 
 def test_serve_stops_cleanly_and_leaves_a_complete_run(served, cli):
@@ -238,6 +242,17 @@ def test_explain_tells_the_abort_story_by_api_id(served, cli):
     at = json.loads(cli("explain", served.out, "--step", step, "--json").stdout)
     assert [(x["request"], x["cause"]) for x in at["lines"] if x["topic"] == "finish" and x["cause"] is not None] == \
         [(rec.req_id, "client_closed")]
+
+
+def test_explain_says_a_stop_string_ended_it(served):
+    """The engine does not look for stop strings: the front end finds one and has the engine drop the request --
+    an abort in the engine's records, a stop for the client. explain tells the two apart."""
+    from vllm_tour.views.explain import explain
+
+    assert served.stopped.choices[0].finish_reason == "stop"
+    (ln,) = [x for x in explain(served.run, request=served.stopped.id).lines if x.topic == "finish"]
+    assert ln.cause == "stop_string" and f"found a stop string {served.stop!r}" in ln.text()
+    assert any(a.req_id == served.run.server_requests[-1].req_id for s in served.run.steps for a in s.aborts)
 
 
 def test_explain_is_silent_where_served_arrivals_do_not_fit(served, tmp_path):

@@ -274,6 +274,15 @@ MSG: dict[str, dict[str, str]] = {
               "server went on serving: {later} arrived later)",
         "zh": "客户端关闭了流（前端在 {tokens} 个 token 之后报告 finish_reason abort，且服务器之后仍在服务：{later} 在它之后到达）",
     },
+    "abort_stop_string": {
+        "en": "the front end found a stop string{stop} in its text (finish_reason stop), and the engine, which does not "
+              "look for stop strings, was told to drop it",
+        "zh": "前端在它的文本中发现了停止字符串{stop}（finish_reason stop），而引擎自己不查找停止字符串，于是被告知丢弃它",
+    },
+    "abort_unknown": {
+        "en": "the records do not say who ended it (finish reason {finish})",
+        "zh": "记录无法说明是谁结束了它（结束原因 {finish}）",
+    },
     "abort_client_or_shutdown": {
         "en": "the client closed the stream or the server shut down, the records do not say which (nothing arrived after it)",
         "zh": "客户端关闭了流，或服务器在关闭，记录无法区分（它之后没有请求到达）",
@@ -718,11 +727,20 @@ class _Explainer:
         later = served_after(self.run, a)
         fields = ["abort.step", "abort.status_before", "abort.num_computed_tokens", "abort.block_ids",
                   "abort.freed_block_ids"]
-        if rec is not None and rec.finish_reason == "abort" and later:
+        notes = ["core-busy-loop", "sched-finish-free", "kvm-free-reverse"]
+        out = self.outputs.get(rid)
+        finish = rec.finish_reason if rec is not None else out.finish_reason if out is not None else None
+        if finish == "stop":  # the engine does not look for stop strings: the front end finds them, then aborts
+            stop = f" {rec.stop_reason!r}" if rec is not None and isinstance(rec.stop_reason, str) else ""
+            who, cause = ("abort_stop_string", {"stop": stop}), "stop_string"
+            fields, notes = fields + ["outputs.requests[].finish_reason"], ["out-detok-stop", "out-engine-abort", *notes]
+        elif rec is not None and finish == "abort" and later:
             who, cause = ("abort_client", {"tokens": len(rec.token_ids), "later": later[0].api_id}), "client_closed"
             fields += ["server_requests[].finish_reason", "server_requests[].arrival_time"]
-        else:
+        elif rec is not None:
             who, cause = ("abort_client_or_shutdown", {}), "aborted"
+        else:
+            who, cause = ("abort_unknown", {"finish": finish}), "aborted"
         nxt = next((s for s in self.run.steps if s.index > step and s.kv is not None), None)
         if not a.freed_block_ids:
             freed = ("abort_none_freed", {})
@@ -733,7 +751,7 @@ class _Explainer:
         kept = [b for b in a.block_ids if b not in a.freed_block_ids]
         return [Line("finish", "abort", {"who": "", "status": a.status_before, "computed": a.num_computed_tokens,
                                          "outputs": a.num_output_tokens, "held": a.block_ids, "freed": "", "kept": ""},
-                     fields, ["core-busy-loop", "sched-finish-free", "kvm-free-reverse"], cause, (step, step),
+                     fields, notes, cause, (step, step),
                      sub=[("who", who), ("freed", freed),
                           ("kept", ("abort_kept", {"kept": kept}) if kept else ("", {}))])]
 
