@@ -252,7 +252,8 @@ def test_explain_says_a_stop_string_ended_it(served):
     assert served.stopped.choices[0].finish_reason == "stop"
     (ln,) = [x for x in explain(served.run, request=served.stopped.id).lines if x.topic == "finish"]
     assert ln.cause == "stop_string" and f"found a stop string {served.stop!r}" in ln.text()
-    assert any(a.req_id == served.run.server_requests[-1].req_id for s in served.run.steps for a in s.aborts)
+    rec = next(r for r in served.run.server_requests if r.api_id == served.stopped.id)
+    assert rec.stop_reason == served.stop and any(a.req_id == rec.req_id for s in served.run.steps for a in s.aborts)
 
 
 def test_explain_is_silent_where_served_arrivals_do_not_fit(served, tmp_path):
