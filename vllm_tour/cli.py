@@ -512,7 +512,7 @@ def watch(
 @app.command()
 def explain(
     run: str = typer.Argument("latest", help="A run directory, a name under traces/runs or traces/golden, or 'latest' (the last trace started)."),
-    request: Optional[str] = typer.Option(None, "--request", "-r", help="Tell one request's life: why it waited, its prefix-cache hit, chunks, preemptions, finish."),
+    request: Optional[str] = typer.Option(None, "--request", "-r", help="Tell one request's life: why it waited, its prefix-cache hit, chunks, preemptions, finish (a served run: its API id or engine id)."),
     step: Optional[int] = typer.Option(None, "--step", "-n", help="Why step N's batch is what it is: budget arithmetic, who was admitted, who waited and why."),
     cache: bool = flag("--cache", help="Prefix-cache outcomes per admission, with the cause of every miss."),
     as_json: bool = flag("--json", help="Machine-readable explanation on stdout (each line with its cause, fields and notes)."),
@@ -530,6 +530,8 @@ def explain(
       vllm-tour explain traces/golden/preemption --step 38
 
       vllm-tour explain traces/golden/shared_prefix --cache --lang zh
+
+      vllm-tour explain latest --request chatcmpl-...   (a `vllm-tour serve` run: arrivals, n > 1, aborts)
     """
     import json
 

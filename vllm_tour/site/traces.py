@@ -11,6 +11,7 @@ from pathlib import Path
 
 from vllm_tour.notes.concepts import CONCEPTS
 from vllm_tour.paths import GOLDEN_DIR
+from vllm_tour.site.explain import explain_section
 from vllm_tour.site.markup import both, esc
 from vllm_tour.trace.reader import Run, load_run
 from vllm_tour.views.event_notes import notes_by_concept, step_events
@@ -55,7 +56,8 @@ def trace_page(run: Run, pin: str, note_href) -> tuple[str, str]:
     reqs = "; ".join(f"{r.req_id}: {len(r.prompt_token_ids or [])} prompt tokens, max {r.max_tokens}" for r in meta.requests)
     body = (f'<p class="muted">{esc(meta.model)} · pin {esc(meta.pin)} · {len(run.steps)} steps · {esc(reqs)} · '
             f'<code>vllm-tour show {esc(run.path.name)}</code></p>'
-            f'<table class="concepts trace"><tr>{"".join(f"<th>{both(h)}</th>" for h in HEADERS)}</tr>{"".join(rows)}</table>')
+            f'<table class="concepts trace"><tr>{"".join(f"<th>{both(h)}</th>" for h in HEADERS)}</tr>{"".join(rows)}</table>'
+            + explain_section(run, note_href))
     return f"trace {run.path.name}", body
 
 

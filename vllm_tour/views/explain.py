@@ -23,7 +23,17 @@ The rules, as Scheduler.schedule applies them at v0.32.0 (and v0.21.0):
   the walk, and everyone behind it waits too (kvm-reserve-full-isl, sched-waiting-alloc-fail);
 - a prefix-cache hit is the longest run of cached full blocks from the start, capped at num_tokens - 1
   (kvm-longest-hit, kvm-hash-full-only, kvm-hit-cap); blocks are cached at allocation (kvm-cache-blocks) and
-  lose their hash only when reused for other content (pool-evict-on-reuse).
+  lose their hash only when reused for other content (pool-evict-on-reuse);
+- new blocks come from the head of the free queue (pool-get-new), whose order free_blocks builds: that rule differs
+  between releases, so it is read from the pin profile (`free_queue_policy`) and never assumed; a pin that does not
+  state it gets "not known" (free_queue.py rebuilds the queue and checks every allocation against it).
+Read against the sources of v0.21.0, v0.31.0 and v0.32.0 (2026-12-02), the rules above hold on all three but for the
+free-queue order; max_num_active_seqs exists from v0.31.0 on (an engine argument 0.21.0 does not take, so its runs
+never record it).
+
+Served runs (`vllm-tour serve`): requests come from clients, not from meta.requests' arrival steps. The front end's
+records (server_requests) give each one's API id, arrival time and, for n > 1, its parent; an abort record gives the
+step the engine dropped it at and the blocks it freed (served.py).
 """
 
 from __future__ import annotations
@@ -35,6 +45,15 @@ from math import ceil
 from vllm_tour.errors import TourError
 from vllm_tour.trace import levels
 from vllm_tour.trace.reader import Run
+from vllm_tour.upstream.pins import pin_profile
+from vllm_tour.views import free_queue
+from vllm_tour.views.served import (
+    abort_of,
+    engine_request,
+    served_after,
+    server_record,
+    siblings,
+)
 
 LANGS = ("en", "zh")
 
@@ -222,6 +241,93 @@ MSG: dict[str, dict[str, str]] = {
         "en": "free-block counts, prefix-cache miss causes and evictions",
         "zh": "空闲块数、前缀缓存未命中的原因与驱逐",
     },
+    "arrival_served": {
+        "en": "arrived through the API as {api} ({t} s into the run, at the front end): {tokens} prompt tokens; in the "
+              "engine's waiting queue by step {step}",
+        "zh": "通过 API 到达，客户端拿到的 id 是 {api}（前端在运行开始后 {t} 秒收到）：提示词 {tokens} 个 token；第 {step} 步时已在引擎的等待队列中",
+    },
+    "arrival_served_unknown": {
+        "en": "arrived through the API as {api} ({t} s into the run, at the front end): {tokens} prompt tokens; the step it "
+              "reached the engine by is not established (the recorded waiting counts do not fit the front end's arrivals)",
+        "zh": "通过 API 到达，客户端拿到的 id 是 {api}（前端在运行开始后 {t} 秒收到）：提示词 {tokens} 个 token；它在哪一步之前进入引擎无法确定"
+              "（记录的等待数量与前端的到达时间对不上）",
+    },
+    "served_unrecorded": {
+        "en": "the server's front end recorded nothing for this request: its API id and arrival are not known",
+        "zh": "服务器前端没有记录这个请求：它的 API id 与到达时间未知",
+    },
+    "served_child": {
+        "en": "one of the n = {n} choices the client asked for in {api} (index {index}): the front end made one engine "
+              "request per choice under the parent {parent}; the other(s): {others}",
+        "zh": "客户端在 {api} 中要求 n = {n} 个候选，这是其中之一（序号 {index}）：前端为每个候选建一个引擎请求，父请求为 {parent}；"
+              "其余：{others}",
+    },
+    "abort": {
+        "en": "aborted: {who}. The engine dropped it while {status} (Scheduler.finish_requests, FINISHED_ABORTED) with "
+              "{computed} computed tokens and {outputs} generated, holding blocks {held}; {freed}{kept}. When the client "
+              "hung up is not recorded: this is the step the engine dropped it",
+        "zh": "被中止：{who}。引擎在它处于 {status} 状态时丢弃了它（Scheduler.finish_requests，FINISHED_ABORTED），"
+              "当时已计算 {computed} 个 token、生成 {outputs} 个，持有块 {held}；{freed}{kept}。客户端何时断开没有记录：这是引擎丢弃它的那一步",
+    },
+    "abort_client": {
+        "en": "the client closed the stream (the front end reported finish_reason abort after {tokens} tokens, and the "
+              "server went on serving: {later} arrived later)",
+        "zh": "客户端关闭了流（前端在 {tokens} 个 token 之后报告 finish_reason abort，且服务器之后仍在服务：{later} 在它之后到达）",
+    },
+    "abort_stop_string": {
+        "en": "the front end found a stop string{stop} in its text (finish_reason stop), and the engine, which does not "
+              "look for stop strings, was told to drop it",
+        "zh": "前端在它的文本中发现了停止字符串{stop}（finish_reason stop），而引擎自己不查找停止字符串，于是被告知丢弃它",
+    },
+    "abort_unknown": {
+        "en": "the records do not say who ended it (finish reason {finish})",
+        "zh": "记录无法说明是谁结束了它（结束原因 {finish}）",
+    },
+    "abort_client_or_shutdown": {
+        "en": "the client closed the stream or the server shut down, the records do not say which (nothing arrived after it)",
+        "zh": "客户端关闭了流，或服务器在关闭，记录无法区分（它之后没有请求到达）",
+    },
+    "abort_freed_at": {
+        "en": "blocks {blocks} went back to the free list (step {next}'s kv.freed)",
+        "zh": "块 {blocks} 回到了空闲队列（第 {next} 步的 kv.freed）",
+    },
+    "abort_freed_unseen": {
+        "en": "blocks {blocks} went back to the free list (no later step recorded them in kv.freed)",
+        "zh": "块 {blocks} 回到了空闲队列（之后没有哪一步在 kv.freed 中记录它们）",
+    },
+    "abort_none_freed": {"en": "none went back to the free list", "zh": "没有块回到空闲队列"},
+    "abort_kept": {
+        "en": "; blocks {kept} kept a reference (another request shares them, or upstream defers them)",
+        "zh": "；块 {kept} 仍有引用（另一个请求共享它们，或上游推迟释放）",
+    },
+    "alloc_head": {
+        "en": "new blocks {blocks}: the head of the free queue, rebuilt from the records under {pin}'s rule: {rule}",
+        "zh": "新块 {blocks}：空闲队列的队首（按 {pin} 的规则由记录重建）：{rule}",
+    },
+    "alloc_mismatch": {
+        "en": "new blocks {blocks}; the free queue rebuilt under {pin}'s rule ({rule}) has {expected} at its head: the "
+              "records do not establish why these",
+        "zh": "新块 {blocks}；按 {pin} 的规则（{rule}）重建的空闲队列队首是 {expected}：记录无法确定为什么是这些块",
+    },
+    "alloc_lost": {
+        "en": "new blocks {blocks}; the rebuilt free queue lost track at an earlier step, so why these is not established",
+        "zh": "新块 {blocks}；重建的空闲队列在更早的一步已对不上，所以无法确定为什么是这些块",
+    },
+    "alloc_policy_unknown": {
+        "en": "new blocks {blocks}; which free blocks are handed out first is not known here: {why}",
+        "zh": "新块 {blocks}；此处不知道哪些空闲块先被分出：{why}",
+    },
+    "rule_append_all": {
+        "en": "BlockPool.free_blocks appends every freed block at the back, cached or not (free_queue_policy = "
+              "append_all, pins/{pin}.toml)",
+        "zh": "BlockPool.free_blocks 把每个被释放的块都追加到队尾，不论是否带缓存（free_queue_policy = append_all，pins/{pin}.toml）",
+    },
+    "rule_uncached_to_front": {
+        "en": "BlockPool.free_blocks puts freed blocks without a hash at the front (reused first) and cached ones at "
+              "the back (free_queue_policy = uncached_to_front, pins/{pin}.toml)",
+        "zh": "BlockPool.free_blocks 把没有哈希的释放块放到队首（最先复用），带缓存的放到队尾（free_queue_policy = "
+              "uncached_to_front，pins/{pin}.toml）",
+    },
     "queue_mismatch": {
         "en": " (the rebuilt queues do not match the recorded waiting/running counts at this step)",
         "zh": "（本步重建的队列与记录的 waiting/running 数量不符）",
@@ -290,34 +396,45 @@ class _Timeline:
     def __init__(self, run: Run):
         self.run = run
         self.arrived: dict[str, int] = {}  # request -> the first step it was in the engine
-        self.finish_step: dict[str, int] = {}  # request -> the step that computed its last token
+        self.finish_step: dict[str, int] = {}  # request -> the step that computed its last token (or dropped it)
         done = {o.req_id for o in run.outputs.requests if o.finish_reason} if run.outputs else set()
         for s in run.steps:
             if s.scheduler:
                 for r in s.scheduler.scheduled:
                     if r.req_id in done:
                         self.finish_step[r.req_id] = s.index
+            for a in s.aborts:  # dropped between this step's schedule() and its update: gone from the queues after it
+                self.finish_step[a.req_id] = s.index
         self.states: dict[int, StepState] = {}
         self._rebuild()
 
     def _rebuild(self) -> None:
-        # The driver (engine/run.py _drive) adds, before engine step d+1, every request with arrival_step <= d,
-        # and the next one whatever its arrival_step when the engine has nothing unfinished; in request order.
-        pending = sorted(self.run.meta.requests, key=lambda r: r.arrival_step)
+        served = bool(self.run.server_requests)
+        # Offline: the driver (engine/run.py _drive) adds, before engine step d+1, every request with arrival_step
+        # <= d, and the next one whatever its arrival_step when the engine has nothing unfinished; in request order.
+        # Served: clients add requests whenever they like; see _arrivals_served.
+        pending = (sorted(self.run.server_requests, key=lambda r: r.arrival_time) if served
+                   else sorted(self.run.meta.requests, key=lambda r: r.arrival_step))
         waiting: list[str] = []
         running: list[str] = []
         finished: set[str] = set()
+        arrivals_known = True  # served: once a step's newcomers cannot be told, no later step's can
         for s in self.run.steps:
-            d = s.index - 1
-            while pending and (pending[0].arrival_step <= d or not (set(self.arrived) - finished)):
-                rid = pending.pop(0).req_id
-                self.arrived[rid] = s.index
-                waiting.append(rid)
             sch = s.scheduler
-            if sch is None:
-                continue
+            if served:
+                if sch is None:
+                    continue
+                arrivals_known = arrivals_known and self._arrivals_served(s, pending, waiting)
+            else:
+                d = s.index - 1
+                while pending and (pending[0].arrival_step <= d or not (set(self.arrived) - finished)):
+                    rid = pending.pop(0).req_id
+                    self.arrived[rid] = s.index
+                    waiting.append(rid)
+                if sch is None:
+                    continue
             st = StepState(s.index, list(waiting), list(running),
-                           consistent=(len(waiting), len(running)) == (sch.waiting_before, sch.running_before))
+                           consistent=arrivals_known and (len(waiting), len(running)) == (sch.waiting_before, sch.running_before))
             victims = [p.req_id for p in sch.preempted]
             for v in victims:  # the running loop pops victims from the tail (FCFS)
                 st.victims_last &= bool(running) and running[-1] == v
@@ -333,10 +450,28 @@ class _Timeline:
             waiting = list(st.left)
             for v in victims:  # each victim is prepended (sched-preempt-prepend)
                 waiting.insert(0, v)
-            for rid in [r for r in running if self.finish_step.get(r) == s.index]:
-                running.remove(rid)
+            for rid in [r for r in running + waiting if self.finish_step.get(r) == s.index]:
+                (running if rid in running else waiting).remove(rid)
                 finished.add(rid)
             self.states[s.index] = st
+
+    def _arrivals_served(self, s, pending: list, waiting: list[str]) -> bool:
+        """Move the requests that reached the engine before step `s` from `pending` to `waiting`; False when the
+        records cannot say which they were.
+
+        Nothing records when a request reached the EngineCore. The front end records when it made each one, in
+        the order the engine receives them; the scheduler records how many were waiting at the start of each step.
+        The newcomers are the difference between that count and the requests still waiting from before, taken
+        in front-end order -- each must have been made before this step's schedule() ended."""
+        sch = s.scheduler
+        new = sch.waiting_before - len(waiting)
+        if new < 0 or new > len(pending) or any(r.arrival_time > sch.time for r in pending[:new]):
+            return False
+        for r in pending[:new]:
+            self.arrived[r.req_id] = s.index
+            waiting.append(r.req_id)
+        del pending[:new]
+        return True
 
 
 # --- the explanation ---------------------------------------------------------------------------------------------
@@ -351,12 +486,15 @@ class Explanation:
     lines: list[Line]
     table: list[dict] = field(default_factory=list)  # --cache rows
 
+    def turns(self) -> list[Line]:
+        """The turns that matter (waits, preemptions, resumes, why the cache missed, the finish, whose choice a
+        served request is), not every chunk; a miss line stands for the zero-hit line before it."""
+        return [ln for ln in self.lines if (ln.topic in ("wait", "preempt", "resume", "cache", "finish", "level")
+                or ln.cause == "n_child") and ln.cause not in ("no_hit", None)]
+
     def summary(self, lang: str = "en", limit: int = 8) -> list[str]:
-        """A few lines: the turns that matter (waits, preemptions, resumes, why the cache missed, the finish), not
-        every chunk; a miss line stands for the zero-hit line before it."""
-        keep = [ln for ln in self.lines if ln.topic in ("wait", "preempt", "resume", "cache", "finish", "level")
-                and ln.cause not in ("no_hit", None)]
-        out = [_prefix(ln, lang) + ln.text(lang) for ln in keep]
+        """A few lines: the turns, cut at `limit`."""
+        out = [line_text(ln, lang) for ln in self.turns()]
         return out if len(out) <= limit else out[: limit - 1] + [MORE[lang].format(n=len(out) - limit + 1)]
 
     def to_json(self, lang: str = "en") -> dict:
@@ -367,6 +505,11 @@ class Explanation:
 
 
 STEP = {"en": ("step {a}: ", "steps {a}-{b}: "), "zh": ("第 {a} 步：", "第 {a}-{b} 步：")}
+
+
+def line_text(ln: Line, lang: str = "en") -> str:
+    """A line as printed: its step or steps, then its sentence."""
+    return _prefix(ln, lang) + ln.text(lang)
 
 
 def _prefix(ln: Line, lang: str = "en") -> str:
@@ -400,6 +543,8 @@ class _Explainer:
                 for r in s.scheduler.scheduled:
                     self.sched_rows.setdefault(r.req_id, []).append((s.index, r))
         self._cache = _CacheSim(self) if self.blocks else None
+        self.free_policy, self.no_policy = _free_queue_policy(run.meta.pin)
+        self.allocs = free_queue.rebuild(run, self.free_policy, self._cache.hashed) if self._cache and self.free_policy else {}
 
     # -- numbers the sentences use
 
@@ -492,12 +637,11 @@ class _Explainer:
 
     def request(self, rid: str) -> Explanation:
         run = self.run
-        if rid not in run.request_ids():
-            raise TourError(f"no request {rid!r} in {run.path.name} (requests: {', '.join(run.request_ids())})")
-        lines: list[Line] = []
+        rid = engine_request(run, rid)
         spec = next(r for r in run.meta.requests if r.req_id == rid)
         arrived = self.tl.arrived.get(rid)
-        if arrived is not None:
+        lines = self.served_lines(rid, arrived) if run.server_requests else []
+        if arrived is not None and not run.server_requests:
             early = arrived < spec.arrival_step + 1
             lines.append(Line("arrival", "arrival_early" if early else "arrival",
                               {"step": arrived, "arrival": spec.arrival_step, "tokens": self.prompt_len.get(rid, 0)},
@@ -505,10 +649,12 @@ class _Explainer:
         rows = dict(self.sched_rows.get(rid, []))
         preempted_at = {s.index: p for s in run.steps if s.scheduler for p in s.scheduler.preempted if p.req_id == rid}
         end = self.tl.finish_step.get(rid, run.steps[-1].index)
+        # without a known arrival (served, records that do not fit) the story starts where the records first show it
+        start = arrived if arrived is not None else min(rows, default=None)
         last_preempt = None
         for s in run.steps:
             n = s.index
-            if arrived is None or n < arrived or n > end or s.scheduler is None:
+            if start is None or n < start or n > end or s.scheduler is None:
                 continue
             if n in preempted_at:
                 lines.append(self.preempt_line(rid, s, preempted_at[n]))
@@ -540,6 +686,7 @@ class _Explainer:
                                        "scheduler.scheduled[].num_scheduled_tokens"], ["sched-admit", "sched-prefix-lookup"],
                                       r.kind, (n, n)))
                 lines += self.cache_lines(rid, s, r)
+                lines += self.alloc_lines(rid, s)
             chunk = self.chunk_line(rid, s, r)
             if chunk is not None:
                 lines.append(chunk)
@@ -550,6 +697,89 @@ class _Explainer:
             lines.append(Line("level", "level", {"level": run.meta.level, "what": ""}, ["meta.level"], [],
                               sub=[("what", ("level_what", {}))]))
         return Explanation(run.path.name, run.meta.pin, run.meta.level, f"request {rid}", _merge(lines))
+
+    def served_lines(self, rid: str, arrived: int | None) -> list[Line]:
+        """A served request's arrival: the API id the client got, when the front end made it, the step it reached
+        the engine by (rebuilt: see _Timeline._arrivals_served), and, for one of n > 1 choices, its parent."""
+        rec = server_record(self.run, rid)
+        if rec is None:
+            return [Line("arrival", "served_unrecorded", {}, ["server_requests"], [])]
+        fields = ["server_requests[].api_id", "server_requests[].arrival_time", "scheduler.waiting_before"]
+        at = {"api": rec.api_id, "t": f"{rec.arrival_time - self.run.meta.started:.3f}",
+              "tokens": len(rec.prompt_token_ids), "step": arrived}
+        if arrived is None:
+            out = [Line("arrival", "arrival_served_unknown", at, fields, ["sched-add-request"], "unknown")]
+        else:
+            out = [Line("arrival", "arrival_served", at, fields, ["sched-add-request", "core-busy-loop"], "api")]
+        if rec.parent_id is not None:
+            out.append(Line("arrival", "served_child", {"index": rec.index, "n": rec.n, "api": rec.api_id,
+                                                        "parent": rec.parent_id,
+                                                        "others": ", ".join(siblings(self.run, rec)) or "-"},
+                            ["server_requests[].parent_id", "server_requests[].index", "server_requests[].n"], [],
+                            "n_child"))
+        return out
+
+    def abort_lines(self, rid: str) -> list[Line]:
+        """How an aborted request ended: who ended it (as far as the records say), the step the engine dropped it
+        at, the blocks it held and those freed, and where the freed ones show."""
+        step, a = abort_of(self.run, rid)
+        rec = server_record(self.run, rid)
+        later = served_after(self.run, a)
+        fields = ["abort.step", "abort.status_before", "abort.num_computed_tokens", "abort.block_ids",
+                  "abort.freed_block_ids"]
+        notes = ["core-busy-loop", "sched-finish-free", "kvm-free-reverse"]
+        out = self.outputs.get(rid)
+        finish = rec.finish_reason if rec is not None else out.finish_reason if out is not None else None
+        if finish == "stop":  # the engine does not look for stop strings: the front end finds them, then aborts
+            stop = f" {rec.stop_reason!r}" if rec is not None and isinstance(rec.stop_reason, str) else ""
+            who, cause = ("abort_stop_string", {"stop": stop}), "stop_string"
+            fields, notes = fields + ["outputs.requests[].finish_reason"], ["out-detok-stop", "out-engine-abort", *notes]
+        elif rec is not None and finish == "abort" and later:
+            who, cause = ("abort_client", {"tokens": len(rec.token_ids), "later": later[0].api_id}), "client_closed"
+            fields += ["server_requests[].finish_reason", "server_requests[].arrival_time"]
+        elif rec is not None:
+            who, cause = ("abort_client_or_shutdown", {}), "aborted"
+        else:
+            who, cause = ("abort_unknown", {"finish": finish}), "aborted"
+        nxt = next((s for s in self.run.steps if s.index > step and s.kv is not None), None)
+        if not a.freed_block_ids:
+            freed = ("abort_none_freed", {})
+        elif nxt is not None and set(a.freed_block_ids) <= set(nxt.kv.freed):
+            freed, fields = ("abort_freed_at", {"blocks": a.freed_block_ids, "next": nxt.index}), fields + ["kv.freed"]
+        else:
+            freed = ("abort_freed_unseen", {"blocks": a.freed_block_ids})
+        kept = [b for b in a.block_ids if b not in a.freed_block_ids]
+        return [Line("finish", "abort", {"who": "", "status": a.status_before, "computed": a.num_computed_tokens,
+                                         "outputs": a.num_output_tokens, "held": a.block_ids, "freed": "", "kept": ""},
+                     fields, notes, cause, (step, step),
+                     sub=[("who", who), ("freed", freed),
+                          ("kept", ("abort_kept", {"kept": kept}) if kept else ("", {}))])]
+
+    def policy_rule(self) -> tuple[str, dict]:
+        return (f"rule_{self.free_policy}", {"pin": self.run.meta.pin})
+
+    def policy_notes(self) -> list[str]:
+        return ["pool-get-new", "kvm-free-reverse"] + (["pool-free-order"] if self.free_policy == "uncached_to_front" else [])
+
+    def alloc_lines(self, rid: str, s) -> list[Line]:
+        """Which blocks an admission got, and why those: the head of the free queue, whose order the release's
+        free-queue policy (pin profile) builds -- checked against the queue rebuilt from the records."""
+        got = s.kv.allocated.get(rid, []) if s.kv else []
+        if not got:
+            return []
+        n = s.index
+        fields = ["kv.allocated", "kv.freed", "kv.prefix_hits", "kv.num_blocks", f"pins/{self.run.meta.pin}.toml [profile] free_queue_policy"]
+        if self.free_policy is None:
+            return [Line("alloc", "alloc_policy_unknown", {"blocks": got, "why": self.no_policy}, fields[:4],
+                         ["pool-get-new"], "policy_unknown", (n, n))]
+        a = self.allocs.get((n, rid))
+        if a is None or a.expected is None:
+            return [Line("alloc", "alloc_lost", {"blocks": got}, fields, [], "unknown", (n, n))]
+        if a.expected != got:
+            return [Line("alloc", "alloc_mismatch", {"blocks": got, "expected": a.expected, "pin": self.run.meta.pin, "rule": ""},
+                         fields, [], "unknown", (n, n), sub=[("rule", self.policy_rule())])]
+        return [Line("alloc", "alloc_head", {"blocks": got, "pin": self.run.meta.pin, "rule": ""}, fields,
+                     self.policy_notes(), f"free_queue_{self.free_policy}", (n, n), sub=[("rule", self.policy_rule())])]
 
     def preempt_line(self, rid: str, s, p) -> Line:
         n = s.index
@@ -621,6 +851,8 @@ class _Explainer:
         return out
 
     def finish_lines(self, rid: str) -> list[Line]:
+        if abort_of(self.run, rid) is not None:
+            return self.abort_lines(rid)
         o = self.outputs.get(rid)
         last = self.tl.finish_step.get(rid)
         if o is None or last is None:
@@ -674,6 +906,10 @@ class _Explainer:
             for rid in [r for r in st.running if r not in scheduled and r not in victims] + st.left:
                 ln = self.wait_line(rid, s)
                 ln.who = rid
+                lines.append(ln)
+        for a in s.aborts:  # dropped during this step (a client that hung up, a shutdown)
+            for ln in self.abort_lines(a.req_id):
+                ln.who = a.req_id
                 lines.append(ln)
         if sch.finished:
             lines.append(Line("finish", "step_finished", {"who": ", ".join(sch.finished)}, ["scheduler.finished", "kv.freed"],
@@ -763,6 +999,13 @@ class _CacheSim:
                     live[b] = key
                     self.history.setdefault(key, []).append([s.index, b, r.req_id, None])
 
+    def hashed(self, block: int, step: int) -> bool:
+        """Whether `block` held a cached prefix when it was freed during `step` (never, with prefix caching off)."""
+        if self.ex.run.meta.engine_args.get("enable_prefix_caching") is False:
+            return False
+        return any(h[1] == block and h[0] < step and (h[3] is None or h[3] >= step)
+                   for hist in self.history.values() for h in hist)
+
     def miss(self, rid: str, step: int, hit: int, tokens: int) -> list[Line]:
         seq = self.ex.seq.get(rid, [])
         i = hit // self.bs
@@ -784,8 +1027,8 @@ class _CacheSim:
                 h = max(gone, key=lambda h: h[3])
                 by = self.evicted_by.get((h[3], h[1]), "?")
                 return [Line("cache", "miss_evicted", {**base, "block": h[1], "owner": h[2], "step": h[3], "by": by},
-                             fields, ["pool-evict-on-reuse", "pool-free-order", "kvm-free-reverse"], "evicted",
-                             (step, step))] + tail
+                             fields, ["pool-evict-on-reuse", *self.ex.policy_notes()] if self.ex.free_policy else
+                             ["pool-evict-on-reuse"], "evicted", (step, step))] + tail
             return [Line("cache", "miss_unknown", {**base, "why": {"en": "the rebuilt cache still held these tokens", "zh": "重建的缓存中这些 token 仍在"}}, fields, [],
                          "unknown", (step, step))]
         same = [h for h in hist if h[0] == step and h[2] != rid]
@@ -798,6 +1041,22 @@ class _CacheSim:
                          ["kvm-cache-blocks"], "not_yet_computed", (step, step))] + tail
         return [Line("cache", "miss_first", base, fields, ["kvm-hash-chain", "kvm-longest-hit"], "never_computed",
                      (step, step))] + tail
+
+
+def _free_queue_policy(pin: str) -> tuple[str | None, dict | None]:
+    """The release's free-queue policy as its pin profile states it, or None and why it is not known (never a
+    default: the policy differs between releases)."""
+    try:
+        policy = pin_profile(pin).stated("free_queue_policy")
+    except TourError:
+        return None, {"en": f"there is no pin file pins/{pin}.toml", "zh": f"没有 pins/{pin}.toml 这个 pin 文件"}
+    if policy is None:
+        return None, {"en": f"pins/{pin}.toml [profile] gives no free_queue_policy",
+                      "zh": f"pins/{pin}.toml 的 [profile] 没有给出 free_queue_policy"}
+    if policy not in free_queue.POLICIES:
+        return None, {"en": f"pins/{pin}.toml gives free_queue_policy {policy!r}, none explain knows",
+                      "zh": f"pins/{pin}.toml 给出的 free_queue_policy {policy!r} 不是 explain 认识的"}
+    return policy, None
 
 
 def _merge(lines: list[Line]) -> list[Line]:
@@ -831,6 +1090,14 @@ def explain(run: Run, request: str | None = None, step: int | None = None, cache
     if step is not None:
         return ex.step(step)
     return ex.cache()
+
+
+def explain_requests(run: Run) -> dict[str, Explanation]:
+    """Every request's explanation, the records read once ({} for a run without scheduler records)."""
+    if not any(s.scheduler for s in run.steps):
+        return {}
+    ex = _Explainer(run)
+    return {rid: ex.request(rid) for rid in run.request_ids()}
 
 
 def request_summary(run: Run, rid: str, lang: str = "en", limit: int = 8) -> list[str]:

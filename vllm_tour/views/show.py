@@ -8,12 +8,12 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from vllm_tour.errors import TourError
 from vllm_tour.trace import levels
 from vllm_tour.trace.experts import expert_view, moe_detail
 from vllm_tour.trace.reader import Run, Step
 from vllm_tour.views.event_notes import notes_line, step_concepts
 from vllm_tour.views.explain import request_summary
+from vllm_tour.views.served import engine_request
 
 PROMPT_IDS_SHOWN = 16  # header: a prompt's first token ids
 PROMPTS_SHOWN = 8  # header: requests whose prompt ids are listed
@@ -262,8 +262,7 @@ def tp_summary(run: Run) -> Text:
 
 
 def request_view(run: Run, rid: str) -> Group:
-    if rid not in run.request_ids():
-        raise TourError(f"no request {rid!r} in {run.path.name} (requests: {', '.join(run.request_ids())})")
+    rid = engine_request(run, rid)  # a served run's API id names its engine request
     parts = [step_table(run, focus=rid)]
     t = Table(title=f"{rid}: blocks per step", caption="+ new · * prefix-cache hit", title_justify="left", caption_justify="left", min_width=50)
     t.add_column("step", justify="right")
