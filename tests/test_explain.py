@@ -15,7 +15,8 @@ import pytest
 
 from vllm_tour.errors import TourError
 from vllm_tour.trace.reader import load_run
-from vllm_tour.views.explain import MSG, explain
+from vllm_tour.views.explain import explain
+from vllm_tour.views.explain_messages import MSG
 
 PROOFS = "traces/golden/proofs/v0.32.0/"
 
