@@ -1,0 +1,28 @@
+"""Upstream's own output during a run (vLLM's log lines, every process's stderr) lands in the run's upstream.log,
+not on the terminal, which gets one line about it; --verbose shows it live instead. Real `trace` runs, as a user
+starts them (the EP repro's crash, a worker's backtrace, is tests/test_repro.py's)."""
+
+import re
+
+INFO = re.compile(r"\bINFO \d\d-\d\d ")  # a vLLM log line at INFO: every engine start logs some
+
+
+def test_trace_keeps_upstream_logs_in_the_run_and_says_so_in_one_line(tmp_path, cli):
+    run = tmp_path / "run"
+    r = cli("trace", "-r", "hello", "--max-tokens", "1", "--out", run, env={"VLLM_LOGGING_LEVEL": "INFO"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    log = (run / "upstream.log").read_text()
+    assert len(INFO.findall(log)) > 3
+    assert not INFO.search(r.stdout + r.stderr), (r.stdout + r.stderr)[-3000:]
+    assert r.stderr == "", r.stderr[-3000:]
+    logged = [line.strip() for line in r.stdout.splitlines() if "upstream logged" in line]
+    assert len(logged) == 1 and re.fullmatch(rf"upstream logged 0 errors, \d+ warnings?: see {re.escape(str(run))}/upstream.log",
+                                             logged[0]), r.stdout
+
+
+def test_verbose_shows_upstream_live_and_keeps_no_log(tmp_path, cli):
+    run = tmp_path / "run"
+    r = cli("trace", "-r", "hello", "--max-tokens", "1", "--out", run, "--verbose", env={"VLLM_LOGGING_LEVEL": "INFO"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert INFO.search(r.stdout), r.stdout[-3000:]
+    assert not (run / "upstream.log").exists() and "upstream logged" not in r.stdout
