@@ -111,6 +111,9 @@ def test_each_step_draws_its_block_tables_from_the_records(pages):
             if s.kv is None or not s.kv.block_tables:
                 assert 'class="blocks"' not in row
                 continue
+            for rid, ids in s.kv.allocated.items():  # what was given and freed is said in the events cell too
+                assert not ids or f"{rid} +{ids}" in row.split('<details class="blocks">')[0], (name, s.index)
+            assert not s.kv.freed or f'lang="zh">释放 {s.kv.freed}</span>' in row, (name, s.index)
             grid = row.split('<details class="blocks">')[1].split("</details>")[0]
             drawn = {rid: cells for rid, cells in re.findall(r'<tr><th class="own-\d+">([^<]+)</th>(.*?)</tr>', grid)}
             assert set(drawn) == set(s.kv.block_tables), (name, s.index)

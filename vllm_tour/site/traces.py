@@ -99,9 +99,22 @@ def _row(run: Run, step: Step, events: list[Event], pin: str, note_href, colour:
         link = (f' <a class="internal" href="{esc(note_href(notes[0][0]))}" title="{esc(CONCEPTS[e.concept][1])}">'
                 f'<code>{esc(notes[0][0])}</code></a>') if notes else ""
         cells.append(f'<span class="ev ev-{e.concept}">{both({"en": e.text, "zh": e.zh})}</span>{link}')
+    cells += _block_moves(step)
     free = f"{step.kv.free_blocks}/{step.kv.num_blocks}" if step.kv else ""
     return (f'<tr id="step-{step.index}"><td>{step.index}</td><td><code>{esc(_batch(step))}</code></td>'
             f'<td>{"<br>".join(cells)}</td><td>{free}</td><td>{_grid(run, step, colour)}</td></tr>')
+
+
+def _block_moves(step: Step) -> list[str]:
+    """Blocks given and freed in the step, in grey: why a step with no event is not folded."""
+    kv = step.kv
+    if kv is None:
+        return []
+    given = " ".join(f"{rid} +{ids}" for rid, ids in kv.allocated.items() if ids)
+    out = [both({"en": f"new blocks: {given}", "zh": f"新分配的块：{given}"})] if given else []
+    if kv.freed:
+        out.append(both({"en": f"freed {kv.freed}", "zh": f"释放 {kv.freed}"}))
+    return [f'<span class="muted">{x}</span>' for x in out]
 
 
 def _fold_line(group: list[Step]) -> dict[str, str]:
