@@ -65,7 +65,7 @@ pre.code { margin:0; padding:.3rem 0; overflow-x:auto; font: 12.5px/1.5 ui-monos
 .note.orphan { border-left-color:#c00; }
 .note .head { font-size:.78rem; color:var(--muted); font-family: ui-monospace, Menlo, monospace; }
 .note .body p { margin:.35rem 0; }
-.note code, li code { background:#f1efe8; padding:0 .25em; border-radius:3px; font-size:.9em; }
+.note code, li code, table.repros td div code { background:#f1efe8; padding:0 .25em; border-radius:3px; font-size:.9em; }
 .tags { font-size:.8rem; color:var(--muted); margin-top:.3rem; }
 .tags a { margin-right:.5em; }
 .proven { color:#1d6b2f; font-weight:600; }
@@ -75,6 +75,7 @@ ul.jumps { margin:.4rem 0 .8rem; padding-left:1.2rem; } ul.jumps a { white-space
 tr.folded > td { padding:0; } tr.folded table.trace { margin:0; background:#faf9f5; }
 details.steps > summary { cursor:pointer; color:var(--muted); padding:.35rem .5rem; background:#f4f3ef; }
 details.blocks > summary { cursor:pointer; color:var(--muted); font-size:.85rem; }
+table.repros td div p { margin:0 0 .3rem; }
 table.grid { border-collapse:collapse; margin:.2rem 0; font: 12px ui-monospace, Menlo, monospace; }
 table.grid th, table.grid td { border:1px solid var(--line); padding:.05rem .35rem; text-align:right; }
 .own-0 { background:#d9f2f7; } .own-1 { background:#f7d9f2; } .own-2 { background:#dcf5d6; } .own-3 { background:#fbf0c8; }
