@@ -43,3 +43,5 @@ def test_a_run_that_went_as_expected_gets_no_line(tmp_path):
     assert summary_line(tmp_path, failed=False) is None
     assert summary_line(tmp_path, failed=True) == f"upstream logged 0 errors, 0 warnings: see {tmp_path}/upstream.log"
     assert summary_line(tmp_path / "no-such-run", failed=True) is None
+    (tmp_path / "upstream.log").write_text("")  # a scheduler-only run that failed in Python: nothing to point at
+    assert summary_line(tmp_path, failed=True) is None

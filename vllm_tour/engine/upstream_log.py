@@ -126,10 +126,10 @@ def read_log(run_dir: Path) -> LogCounts | None:
 
 def summary_line(run_dir: Path, failed: bool, where: str | None = None) -> str | None:
     """"upstream logged 2 errors, 3 warnings: see RUN/upstream.log", and, for a failed run, its first error
-    line, shortened. None when there is nothing to say: no log, or no error or warning in it (a run that went
-    as expected)."""
+    line, shortened. None when there is nothing to say: no log or an empty one, or no error or warning in it
+    and the run went as expected."""
     counts = read_log(run_dir)
-    if counts is None or not (counts.errors or counts.warnings or failed):
+    if counts is None or not counts.path.stat().st_size or not (counts.errors or counts.warnings or failed):
         return None
     where = where or str(counts.path)
     n = f"{counts.errors} error{'s' * (counts.errors != 1)}, {counts.warnings} warning{'s' * (counts.warnings != 1)}"
