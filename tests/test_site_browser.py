@@ -270,16 +270,35 @@ def test_golden_traces_step_by_step_link_events_to_notes(site, browser):
     browser.goto((site / "index.html").as_uri())
     traces = browser.js("[...document.querySelectorAll('#traces ~ ul a')].map(a => a.textContent)")
     assert {"preemption", "shared_prefix", "chunked_prefill"} <= set(traces)
-    browser.goto((site / "trace" / "preemption.html").as_uri())
+    browser.goto((site / "trace" / "preemption.html").as_uri() + "?lang=en")
     ev = browser.js("""(() => {
-        const e = [...document.querySelectorAll('.ev-preemption')][0];
+        const e = [...document.querySelectorAll('tr .ev-preemption')][0];
         const a = e.nextElementSibling;
-        return {text: e.textContent, step: e.closest('tr').id, href: a.href};
+        return {text: e.innerText, step: e.closest('tr').id, href: a.href};
     })()""")
     run = load_run(GOLDEN_DIR / "preemption")
     first = next(s for s in run.steps if s.scheduler.preempted)
-    assert ev["text"] == f"PREEMPT {first.scheduler.preempted[0].req_id}" and ev["step"] == f"step-{first.index}"
+    victim = first.scheduler.preempted[0].req_id
+    assert ev["text"] == f"PREEMPT {victim}" and ev["step"] == f"step-{first.index}"
     browser.screenshot(ARTIFACTS / "site-trace-preemption.png")
+    # In Chinese: the jump link at the top lands on the step, whose block tables open on a click
+    browser.click("#lang-zh")
+    browser.click(f'ul.jumps a[href="#step-{first.index}"]')
+    zh = browser.js(f"""(() => {{
+        const row = document.getElementById('step-{first.index}');
+        return {{hash: location.hash, event: row.querySelector('.ev-preemption').innerText,
+                 folded: [...document.querySelectorAll('details.steps > summary')].filter({VISIBLE})
+                          .map(s => s.innerText)}};
+    }})()""")
+    assert zh["hash"] == f"#step-{first.index}" and zh["event"] == f"抢占 {victim}", zh
+    assert zh["folded"] and all(t.startswith("第 ") for t in zh["folded"]), zh
+    browser.click(f"#step-{first.index} details.blocks > summary")
+    grid = browser.js(f"""[...document.querySelectorAll('#step-{first.index} table.grid tr')]
+        .filter({VISIBLE}).map(r => [r.querySelector('th').innerText,
+                                     [...r.querySelectorAll('td')].map(td => parseInt(td.innerText))])""")
+    assert dict(grid) == first.kv.block_tables, grid
+    browser.screenshot(ARTIFACTS / "site-trace-preemption-zh.png")
+    browser.click("#lang-en")
     page, frag = ev["href"].split("?")[0].removeprefix("file://"), ev["href"].split("#")[1]
     assert frag.startswith("note-") and f'id="{frag}"' in Path(page).read_text()
     from vllm_tour.notes.verify import proofs_for_pin

@@ -334,12 +334,12 @@ def trace(
     out: Optional[Path] = typer.Option(None, help="Run directory (default traces/runs/<stamp>-<name>). An existing, non-empty one is refused unless --force."),
     force: bool = flag("--force", help="Trace into an existing --out: its meta.json, records and captures are deleted and replaced."),
     multiprocess: bool = flag("--multiprocess", help="Run the EngineCore in its own process, as `vllm serve` does (arrival steps become approximate)."),
-    verbose: bool = flag("--verbose", "-v", help="Show vLLM's own INFO logs."),
+    verbose: bool = flag("--verbose", "-v", help="Show upstream's own output live (vLLM's INFO logs, every process's stderr; also VLLM_TOUR_VERBOSE=1) instead of keeping it in the run's upstream.log."),
 ):
     """Run the pinned upstream vLLM engine with probes and record every step.
 
     Writes traces/runs/<stamp>-<name>/ (meta.json, one records.<pid>.jsonl per
-    vLLM process, outputs.json) and prints a summary. Examples:
+    vLLM process, outputs.json, upstream.log: what upstream wrote) and prints a summary. Examples:
 
       vllm-tour trace --request "hello"
 
@@ -640,7 +640,7 @@ def repro(
     force: bool = flag("--force", help="Run into an existing --out: its meta.json, records and captures are deleted and replaced."),
     level: Optional[str] = typer.Option(None, "--level", help="What to record (steps, blocks, full; see trace --help). Default: what the expectations need, blocks at least; a lower one is refused."),
     pin: Optional[str] = typer.Option(None, "--pin", help="Run on this pin (default: the installed vLLM's); a pin with an environment (`pin add`) runs there."),
-    verbose: bool = flag("--verbose", "-v", help="Show vLLM's own INFO logs."),
+    verbose: bool = flag("--verbose", "-v", help="Show upstream's own output live (vLLM's INFO logs, every process's stderr; also VLLM_TOUR_VERBOSE=1) instead of keeping it in the run's upstream.log."),
 ):
     """Run a scenario that encodes an upstream issue; print REPRODUCED / NOT REPRODUCED on the installed pin, with the evidence.
 

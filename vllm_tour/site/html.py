@@ -70,12 +70,22 @@ pre.code { margin:0; padding:.3rem 0; overflow-x:auto; font: 12.5px/1.5 ui-monos
 .note.orphan { border-left-color:#c00; }
 .note .head { font-size:.78rem; color:var(--muted); font-family: ui-monospace, Menlo, monospace; }
 .note .body p { margin:.35rem 0; }
-.note code, li code { background:#f1efe8; padding:0 .25em; border-radius:3px; font-size:.9em; }
+.note code, li code, table.repros td div code { background:#f1efe8; padding:0 .25em; border-radius:3px; font-size:.9em; }
 .tags { font-size:.8rem; color:var(--muted); margin-top:.3rem; }
 .tags a { margin-right:.5em; }
 .proven { color:#1d6b2f; font-weight:600; }
 table.trace td:first-child { color: var(--muted); width: 3em; } .ev-preemption { color:#b00; font-weight:600; }
-.ev-prefix-hit { color:#1d6b2f; } .ev-eviction { color:#8a5a00; }
+.ev-prefix-hit { color:#1d6b2f; } .ev-eviction { color:#8a5a00; } .ev-finish { color:#1f4e8a; font-weight:600; }
+ul.jumps { margin:.4rem 0 .8rem; padding-left:1.2rem; } ul.jumps a { white-space:nowrap; }
+tr.folded > td { padding:0; } tr.folded table.trace { margin:0; background:#faf9f5; }
+details.steps > summary { cursor:pointer; color:var(--muted); padding:.35rem .5rem; background:#f4f3ef; }
+details.blocks > summary { cursor:pointer; color:var(--muted); font-size:.85rem; }
+table.repros td div p { margin:0 0 .3rem; }
+table.grid { border-collapse:collapse; margin:.2rem 0; font: 12px ui-monospace, Menlo, monospace; }
+table.grid th, table.grid td { border:1px solid var(--line); padding:.05rem .35rem; text-align:right; }
+.own-0 { background:#d9f2f7; } .own-1 { background:#f7d9f2; } .own-2 { background:#dcf5d6; } .own-3 { background:#fbf0c8; }
+.own-4 { background:#dbe3fb; } .own-5 { background:#fbdcd6; } .own-6 { background:#c9ece6; } .own-7 { background:#ecd6fb; }
+.own-8 { background:#e8f5c4; } .own-9 { background:#f9e2c2; } .own-10 { background:#d2d9ea; } .own-11 { background:#f1d4dc; }
 .sub { margin: 1.4rem 0; padding: .8rem 1rem; background:var(--card); border:1px solid var(--line); border-radius:8px; }
 .sub h3 { margin:.1rem 0 .4rem; } .sub ul { margin:.3rem 0; }
 .step { display:inline-block; min-width:1.8em; color:var(--acc); font-weight:700; }

@@ -132,11 +132,28 @@ def _involves(step: Step, rid: str) -> bool:
     return bool(step.kv and rid in step.kv.block_tables)
 
 
+def block_rows(run: Run, step: Step, only: str | None = None) -> list[tuple[str, list[tuple[int, str, str]]]]:
+    """The step's block tables after its allocation, in request order: (request, [(block id, mark, the block's
+    first owner)]); mark "+" new this step, "*" reused (a prefix-cache hit, or another request's block)."""
+    owners = block_owners(run, step.index)
+    kv = step.kv
+    if kv is None:
+        return []
+    order = run.request_ids()
+    hit_ids = {h.req_id: set(h.block_ids) for h in kv.prefix_hits}
+    rows = []
+    for rid in sorted((r for r in kv.block_tables if only is None or r == only),
+                      key=lambda r: order.index(r) if r in order else len(order)):
+        new = set(kv.allocated.get(rid, []))
+        cells = [(b, "+" if b in new else "*" if b in hit_ids.get(rid, ()) or owners.get(b, rid) != rid else "",
+                  owners.get(b, rid)) for b in kv.block_tables[rid]]
+        rows.append((rid, cells))
+    return rows
+
+
 def block_grid(run: Run, step: Step, only: str | None = None) -> Table:
     """Requests × block slots at the end of the step's allocation."""
     col = colors(run)
-    owners = block_owners(run, step.index)
-    kv = step.kv
     table = Table(
         title=f"block tables after step {step.index}'s allocation",
         caption="+ new this step · * reused (prefix cache) · color: the block's first owner",
@@ -145,20 +162,12 @@ def block_grid(run: Run, step: Step, only: str | None = None) -> Table:
         min_width=72,
     )
     table.add_column("request")
-    if kv is None:
-        return table
-    tables = {k: v for k, v in kv.block_tables.items() if only is None or k == only}
-    width = max((len(v) for v in tables.values()), default=0)
-    for i in range(width):
+    rows = block_rows(run, step, only)
+    for i in range(max((len(cells) for _, cells in rows), default=0)):
         table.add_column(str(i), justify="right")
-    hit_ids = {rid: set(h.block_ids) for h in kv.prefix_hits for rid in [h.req_id]}
-    for rid in sorted(tables, key=lambda r: run.request_ids().index(r) if r in run.request_ids() else 1e9):
-        cells = []
-        new = set(kv.allocated.get(rid, []))
-        for b in tables[rid]:
-            mark = "+" if b in new else "*" if b in hit_ids.get(rid, ()) or owners.get(b, rid) != rid else ""
-            cells.append(Text(f"{b}{mark}", style=col.get(owners.get(b, rid), "white")))
-        table.add_row(Text(rid, style=col.get(rid, "white")), *cells)
+    for rid, cells in rows:
+        table.add_row(Text(rid, style=col.get(rid, "white")),
+                      *(Text(f"{b}{mark}", style=col.get(owner, "white")) for b, mark, owner in cells))
     return table
 
 
