@@ -251,3 +251,29 @@ def test_a_check_fails_naming_the_event_its_run_lacks(check, missing):
         assert "r4 waiting since step 1 admitted at step 5" in fn(load_run("proofs/v0.32.0/cmp_concurrent"))
     elif check != "running_in_admission_order":
         assert fn(load_run("chunked_prefill"))
+
+
+# Properties of every step, not events: they hold on any run that records blocks (their requirement is that one
+# does) and are checked at every step of it.
+EVERY_STEP = {"null_block_never_in_tables", "slot_mapping_from_block_table"}
+
+
+def test_every_check_declares_what_its_run_must_show_and_fails_naming_it():
+    """A check's requirements are read from its own code (proofs/requirements.py): each check has at least one, the
+    verify report carries them, and on a run where its case never happens (one request, no pressure: the `single`
+    golden) each check fails on the whole run with one of them -- it cannot pass there by having nothing to check."""
+    from vllm_tour.notes.proofs.requirements import requirements
+
+    run = load_run("single")
+    for name, check in verify.CHECKS.items():
+        needs = requirements(check)
+        assert needs, f"{name} requires nothing of its run"
+        if name in EVERY_STEP:
+            assert check(run)
+            continue
+        with pytest.raises(proofs.ClaimFailed) as e:
+            check(run)
+        assert e.value.step is None and any(e.value.evidence.startswith(n.split("{…}")[0]) for n in needs), \
+            (name, e.value.evidence, needs)
+    v = verify.check_claims(run, "single", ["pool-free-order"], verify.proofs_for_pin(PIN))[0]
+    assert not v.holds and v.requires == requirements(verify.CHECKS["hashless_before_fresh_before_cached"])

@@ -34,6 +34,7 @@ from rich.table import Table
 from vllm_tour.errors import TourError
 from vllm_tour.notes import proofs
 from vllm_tour.notes.annotations import LANGS, all_notes, load_all
+from vllm_tour.notes.proofs.requirements import requirements
 from vllm_tour.paths import ANNOTATIONS_DIR, GOLDEN_DIR, SCENARIOS_DIR
 from vllm_tour.upstream import pins
 
@@ -69,6 +70,7 @@ class Verdict:
     holds: bool
     step: int | None
     evidence: str
+    requires: tuple[str, ...] = ()  # what the run must show, as the check fails without it (proofs/requirements.py)
 
 
 def load_proofs(path: Path, claims: bool = True) -> dict[str, Proof]:
@@ -166,10 +168,11 @@ def check_claims(run, name: str, note_ids: list[str], selected: dict[str, Proof]
     verdicts = []
     for note_id in note_ids:
         proof = selected[note_id]
+        needs = requirements(CHECKS[proof.check])
         try:
-            verdicts.append(Verdict(note_id, name, proof.check, proof.claim["en"], True, None, CHECKS[proof.check](run)))
+            verdicts.append(Verdict(note_id, name, proof.check, proof.claim["en"], True, None, CHECKS[proof.check](run), needs))
         except proofs.ClaimFailed as e:
-            verdicts.append(Verdict(note_id, name, proof.check, proof.claim["en"], False, e.step, e.evidence))
+            verdicts.append(Verdict(note_id, name, proof.check, proof.claim["en"], False, e.step, e.evidence, needs))
     return verdicts
 
 
@@ -236,11 +239,12 @@ def verify(console: Console, pin: str | None, note_ids: list[str], as_json: bool
         return 1 if failed else 0
     runs = f"the runs recorded on {pin}" if recorded else f"live {pin} runs"
     out = Table(title=f"annotations verify — {len(verdicts) - len(failed)} of {len(verdicts)} claims hold on {runs}")
-    for col in ("note", "scenario", "verdict", "evidence"):
+    for col in ("note", "scenario", "verdict", "evidence (seen) · required"):
         out.add_column(col, overflow="fold")
     for v in verdicts:
         verdict = "[green]holds[/]" if v.holds else f"[red]FAILS[/] at step {v.step}" if v.step else "[red]FAILS[/]"
-        out.add_row(v.note, v.scenario, verdict, escape(v.evidence))
+        needs = "; ".join(n.removeprefix("the run never shows ") for n in v.requires)
+        out.add_row(v.note, v.scenario, verdict, escape(v.evidence) + f"\n[dim]required: {escape(needs)}[/]")
     console.print(out)
     for v in failed:
         where = f"step {v.step}" if v.step is not None else "the whole run"

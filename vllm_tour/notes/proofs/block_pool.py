@@ -188,8 +188,9 @@ def only_hashed_blocks_evicted(run: Run) -> str:
     return _shown(found, "one allocation reusing both a hashless and a cached block")
 
 
-def _hit_free_balance(run: Run, want_free_hit: bool) -> str:
-    """free(step) = free(previous) + freed - newly allocated - hit blocks that were free (not held by anyone)."""
+def _hit_free_balance(run: Run, want_free_hit: bool) -> list[str]:
+    """free(step) = free(previous) + freed - newly allocated - hit blocks that were free (not held by anyone); the
+    hits on free blocks (want_free_hit) or on held ones, as evidence lines."""
     steps = _sched_steps(run)
     found = []
     for prev, s in zip(steps, steps[1:]):
@@ -211,15 +212,15 @@ def _hit_free_balance(run: Run, want_free_hit: bool) -> str:
             if not want_free_hit and shared:
                 found.append(f"step {s.index}: {h.req_id} hit {shared} held by a running request; free blocks "
                              f"{prev.kv.free_blocks} -> {kv.free_blocks} ({new} new, {len(kv.freed)} freed)")
-    return _shown(found, "a prefix hit on a free cached block" if want_free_hit else "a prefix hit on held blocks")
+    return found
 
 
 def hit_takes_block_from_free_pool(run: Run) -> str:
-    return _hit_free_balance(run, want_free_hit=True)
+    return _shown(_hit_free_balance(run, want_free_hit=True), "a prefix hit on a free cached block")
 
 
 def hit_on_held_blocks_costs_nothing(run: Run) -> str:
-    return _hit_free_balance(run, want_free_hit=False)
+    return _shown(_hit_free_balance(run, want_free_hit=False), "a prefix hit on held blocks")
 
 
 def pool_is_the_override(run: Run) -> str:
