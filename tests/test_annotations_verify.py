@@ -277,3 +277,20 @@ def test_every_check_declares_what_its_run_must_show_and_fails_naming_it():
             (name, e.value.evidence, needs)
     v = verify.check_claims(run, "single", ["pool-free-order"], verify.proofs_for_pin(PIN))[0]
     assert not v.holds and v.requires == requirements(verify.CHECKS["hashless_before_fresh_before_cached"])
+
+
+def test_a_check_goes_red_when_upstreams_rule_is_changed(monkeypatch, tmp_path):
+    """The mutation is upstream's, not the trace's: v0.32.0's free_blocks puts hashless blocks at the head of the
+    free queue through FreeKVCacheBlockQueue.prepend_n; made to append them (the free queue of v0.21.0), a live run
+    of the claim's own scenario must fail the claim, naming what the run showed instead."""
+    from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue
+
+    from vllm_tour.engine.run import run_upstream
+
+    table = verify.proofs_for_pin(PIN)
+    proof = table["pool-free-order"]
+    monkeypatch.setattr(FreeKVCacheBlockQueue, "prepend_n", FreeKVCacheBlockQueue.append_n)
+    run = load_run(run_upstream(load_scenario(SCENARIOS_DIR / f"{proof.scenario}.toml"), run_dir=tmp_path / "mutant",
+                                level="blocks"))
+    v = verify.check_claims(run, proof.scenario, ["pool-free-order"], table)[0]
+    assert not v.holds and v.step is not None and "hashless" in v.evidence, v.evidence
