@@ -53,12 +53,14 @@ propose = Probe(
 # --- verification -------------------------------------------------------------------------------
 
 
-def _verify_before(self, scheduler_output, *a, **kw):
-    """Per request with drafts this step: (user id, drafts, computed tokens before the step, block ids),
-    read before update_from_output frees a finished request's blocks."""
+def _verify_before(self, scheduler_output, model_runner_output, *a, **kw):
+    """Per request with drafts this step: (user id, drafts, computed tokens before the step, block ids, the
+    runner's tokens), read before update_from_output frees a finished request's blocks and cuts the token
+    list of a request that stops inside it (in place)."""
     spec = scheduler_output.scheduled_spec_decode_tokens
     if not spec:
         return None
+    index, sampled = model_runner_output.req_id_to_index, model_runner_output.sampled_token_ids
     rows = []
     for rid, drafts in spec.items():
         request = self.requests.get(rid)
@@ -67,7 +69,8 @@ def _verify_before(self, scheduler_output, *a, **kw):
         # schedule() already advanced num_computed_tokens over the scheduled tokens, drafts included
         before = request.num_computed_tokens - scheduler_output.num_scheduled_tokens[rid]
         blocks = list(self.kv_cache_manager.get_block_ids(rid)[0])
-        rows.append((rid, [int(t) for t in drafts], before, blocks))
+        got = [int(t) for t in sampled[index[rid]]] if rid in index and sampled else []
+        rows.append((rid, [int(t) for t in drafts], before, blocks, got))
     return rows
 
 
@@ -75,10 +78,8 @@ def _verify_after(rows, result, self, scheduler_output, model_runner_output, *a,
     if rows is None:
         return
     bs = self.block_size
-    index, sampled = model_runner_output.req_id_to_index, model_runner_output.sampled_token_ids
     verified = []
-    for rid, drafts, before, blocks in rows:
-        got = [int(t) for t in sampled[index[rid]]] if rid in index and sampled else []
+    for rid, drafts, before, blocks, got in rows:
         if not got:
             continue  # nothing sampled (the request was aborted or finished meanwhile): nothing verified
         accepted = len(got) - 1  # the target adds one token of its own after the drafts it accepts
