@@ -41,7 +41,7 @@ from .paged_attn import BatchMeta
 from .qwen3 import Qwen3
 from .request import Request
 from .sampler import Sampler
-from .spec_decode import NgramProposer, verify_greedy
+from .spec_decode import NgramProposer, SpecDecodeScheduler, verify_greedy
 
 
 @dataclass
@@ -77,7 +77,7 @@ class Engine:
         self.proposer = None
         if cfg.speculative_config:
             spec = cfg.speculative_config
-            if spec.get("method") != "ngram" or not hasattr(self.scheduler, "update_draft_token_ids"):
+            if spec.get("method") != "ngram" or not isinstance(self.scheduler, SpecDecodeScheduler):
                 raise ValueError("speculative decoding here is ngram, with spec_decode.SpecDecodeScheduler")
             self.proposer = NgramProposer(spec["num_speculative_tokens"], spec["prompt_lookup_min"],
                                           spec["prompt_lookup_max"], cfg.max_model_len)
@@ -146,11 +146,11 @@ class Engine:
             runner, sampled, res.tensors = self._execute(out, rows, capture)
             records.append(runner)
             records += self._moe_records(out.step)
-        if self.proposer is None:
+        if isinstance(self.scheduler, SpecDecodeScheduler):
+            records += self._speculate(out, rows, sampled)
+        else:  # the plain scheduler takes the one token each request sampled
             self.where = (n, "update_from_output")
             self.scheduler.update_from_output(out, {rid: tokens[0] for rid, tokens in sampled.items()})
-        else:
-            records += self._speculate(out, rows, sampled)
         self.steps_done = n
         return res
 
@@ -161,11 +161,11 @@ class Engine:
         self.where = (n, "propose drafts")
         reqs = self.scheduler.requests
         proposed = self.proposer.propose({rid: reqs[rid].all_token_ids + sampled[rid] if rid in sampled else None
-                                          for rid in rows})
+                                          for rid in rows}) if self.proposer else {}
         records = [self._spec_verify_record(out, sampled)] if out.scheduled_spec_decode_tokens else []
         self.where = (n, "update_from_output")
         self.scheduler.update_from_output(out, sampled)
-        if out.scheduled:
+        if self.proposer and out.scheduled:
             dropped = self.scheduler.update_draft_token_ids(proposed)
             records.append({"kind": "spec_proposal", "step": n, "proc": self.proc, "proposer": "ngram",
                             "proposed": proposed, "ignored": dropped})

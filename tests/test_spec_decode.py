@@ -36,7 +36,7 @@ def test_ngram_proposals_are_upstreams():
         lo = rng.randrange(1, 3)
         cases.append((tokens, lo, lo + rng.randrange(0, 3), rng.randrange(1, 5), len(tokens) + rng.randrange(0, 4)))
     p = subprocess.run([sys.executable, "-c", UPSTREAM_NGRAM], input=json.dumps(cases), capture_output=True, text=True,
-                       timeout=300)
+                       check=False, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     upstream = json.loads(p.stdout.strip().splitlines()[-1])
     ours = [ngram_propose(t, lo, hi, k, mml) for t, lo, hi, k, mml in cases]
@@ -104,13 +104,15 @@ def test_show_lists_drafts_per_request_per_step(cli, ngram_run):
     assert f"{v.num_accepted}/{len(v.draft_token_ids)}" in line and str(v.sampled_token_ids) in line
 
 
-@pytest.mark.parametrize("scenario", ["spec_ngram", "spec_preempt", "spec_sampled"])
+@pytest.mark.parametrize("scenario", ["spec_ngram", "spec_preempt", "spec_sampled", "cmp_preempt"])
 def test_reimpl_matches_upstream(compare_upstream, upstream_run, scenario):
+    """Clean with drafts (greedy with repeats, under preemption, sampled), and without speculation (cmp_preempt:
+    the scheduler subclass is the plain one when nothing is drafted)."""
     r = compare_upstream("reimpl.spec_decode", scenario)
     assert r.exit_code == 0, [str(d) for d in r.ordered()[:3]]
     steps = load_run(upstream_run(scenario).run_dir).steps
-    assert any(s.spec_verify for s in steps)  # drafts were verified, so their records were judged
-    if scenario == "spec_preempt":
+    assert any(s.spec_verify for s in steps) == scenario.startswith("spec_")  # drafts verified: their records judged
+    if "preempt" in scenario:
         assert any(s.scheduler.preempted for s in steps)
 
 
@@ -131,3 +133,27 @@ def test_accepting_one_draft_too_many_diverges(compare_upstream, ngram_run, monk
     fields = {d.field: d for d in r.ordered() if d.step == s.index}
     d = fields[f"spec_decode.verified[{v.req_id}].num_accepted"]
     assert (d.upstream, d.reimpl) == (v.num_accepted, v.num_accepted + 1)
+
+
+NGRAM = '{ method = "ngram", num_speculative_tokens = 3, prompt_lookup_max = 3, prompt_lookup_min = 1 }'
+
+
+@pytest.mark.parametrize("module, spec, named", [
+    ("reimpl.spec_decode", '{ method = "suffix", num_speculative_tokens = 3 }',
+     "compare carries this option into the reimpl only for method ngram"),
+    ("reimpl.chunked_prefill", NGRAM, "the reimpl cannot run it: speculative decoding (reimpl.spec_decode compares it)"),
+])
+def test_speculation_the_reimpl_cannot_run_is_refused_before_an_engine(tmp_path, monkeypatch, module, spec, named):
+    from typer.testing import CliRunner
+
+    from vllm_tour.cli import app
+    from vllm_tour.compare import harness
+    from vllm_tour.errors import TourError
+
+    sc = tmp_path / "s.toml"
+    sc.write_text(f'name = "s"\n[engine.extra]\nspeculative_config = {spec}\n'
+                  '[[requests]]\nid = "r"\ntoken_ids = [1, 2, 3]\nmax_tokens = 2\n')
+    monkeypatch.setattr(harness, "upstream_run_for", lambda *a, **k: pytest.fail("an engine started"))
+    res = CliRunner().invoke(app, ["compare", module, "--scenario", str(sc), "--json", str(tmp_path / "r.json")])
+    assert isinstance(res.exception, TourError) and res.exception.exit_code == 2, res.output
+    assert named in str(res.exception)

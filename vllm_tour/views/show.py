@@ -12,8 +12,8 @@ from vllm_tour.errors import TourError
 from vllm_tour.trace import levels
 from vllm_tour.trace.experts import expert_view, moe_detail
 from vllm_tour.trace.reader import Run, Step
-from vllm_tour.views.event_notes import notes_line, step_concepts
 from vllm_tour.views import spec_decode
+from vllm_tour.views.event_notes import notes_line, step_concepts
 from vllm_tour.views.explain import request_summary
 
 PROMPT_IDS_SHOWN = 16  # header: a prompt's first token ids
