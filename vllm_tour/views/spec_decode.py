@@ -36,8 +36,8 @@ def spec_table(run: Run, step: Step | None = None, request: str | None = None) -
     """One row per (step, request) where drafts were verified or proposed: in the whole run, one step, or
     for one request."""
     t = Table(title="speculative decoding: drafts verified in the step, and proposed after it",
-              caption="accepted drafts, then the target's own token · rejected drafts @ the KV slots they were "
-                      "written to (rolled back; overwritten by later tokens)",
+              caption="target's tokens: the accepted drafts, then its own (a request at max_tokens keeps what fits) · "
+                      "rejected drafts @ the KV slots they were written to (rolled back; overwritten by later tokens)",
               title_justify="left", caption_justify="left")
     for c, j in (("step", "right"), ("request", "left"), ("drafts verified", "left"), ("accepted", "right"),
                  ("target's tokens", "left"), ("rejected @ slots", "left"), ("proposed next", "left")):
