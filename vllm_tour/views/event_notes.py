@@ -54,6 +54,8 @@ def step_events(step: Step) -> list[tuple[str, str]]:
             out.append((f"hit {h.req_id}: {h.num_hit_tokens} tokens, blocks {h.block_ids}", "prefix-hit"))
         if step.kv.evicted:
             out.append((f"evict {step.kv.evicted}", "eviction"))
+    for v in step.spec_verify.requests if step.spec_verify else []:
+        out.append((f"spec {v.req_id}: {v.num_accepted}/{len(v.draft_token_ids)} drafts accepted", "spec-decode"))
     return out
 
 
