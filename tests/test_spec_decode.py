@@ -102,6 +102,22 @@ def test_show_lists_drafts_per_request_per_step(cli, ngram_run):
     p = cli("show", ngram_run.path, "--step", s.index, columns=200)
     line = next(line for line in p.stdout.splitlines() if f"│ {v.req_id} " in line and str(v.draft_token_ids) in line)
     assert f"{v.num_accepted}/{len(v.draft_token_ids)}" in line and str(v.sampled_token_ids) in line
+    p = cli("show", ngram_run.path, "--request", v.req_id, columns=200)
+    table = p.stdout.split("speculative decoding: drafts verified")[1]
+    rows = [line for line in table.splitlines() if line.startswith("│") and line.split("│")[1].strip().isdigit()]
+    assert rows and all(line.split("│")[2].strip() == v.req_id for line in rows)  # that request's rows only
+
+
+def test_site_trace_page_links_spec_events_to_the_notes():
+    from vllm_tour.paths import GOLDEN_DIR
+    from vllm_tour.site.traces import trace_page
+
+    run = load_run(GOLDEN_DIR / "spec_ngram")
+    _, body = trace_page(run, run.meta.pin, lambda note: f"notes/{note}")
+    assert _verifications(run)
+    for _, v in _verifications(run):
+        assert f"spec {v.req_id}: {v.num_accepted}/{len(v.draft_token_ids)} drafts accepted" in body
+    assert 'href="notes/spec-scheduled-drafts"' in body
 
 
 @pytest.mark.parametrize("scenario", ["spec_ngram", "spec_preempt", "spec_sampled", "cmp_preempt"])
