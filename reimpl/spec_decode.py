@@ -54,7 +54,10 @@ def ngram_propose(tokens: list[int], min_n: int, max_n: int, k: int, max_model_l
 def verify_greedy(drafts: list[int], target: list[int]) -> list[int]:
     """The tokens a step keeps: the drafts up to the first one the model disagrees with, then the model's own.
 
-    target[i] is the model's argmax after the last token and the first i drafts (len(drafts) + 1 of them)."""
+    target[i] is the model's token after the last token and the first i drafts (len(drafts) + 1 of them): its
+    argmax when greedy. Sampled targets work too, for n-gram drafts: upstream's rejection sampler keeps such a
+    draft (no draft probabilities: q = 1 on it) with the target's probability of it, else draws from the target
+    without it; sampling the target and keeping the draft while they match has the same distribution."""
     accepted = 0
     while accepted < len(drafts) and drafts[accepted] == target[accepted]:
         accepted += 1
