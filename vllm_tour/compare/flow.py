@@ -4,7 +4,8 @@ When several things differ at the first divergent step, most are consequences of
 data flows: the scheduler decides (scheduler.*), the KV manager places blocks (kv.*), the runner builds its
 inputs (runner.*) and the attention metadata (attention.*), then the model runs layer by layer (the
 embedding, then per layer: qkv, the KV write, attention, o_proj, the MLP or the MoE's router, routing and
-experts), the final norm and the logits, and last the sampler picks tokens (runner.sampled_token_ids).
+experts), the final norm and the logits, and last the sampler picks tokens (runner.sampled_token_ids; with
+speculative decoding, spec_decode.*: the drafts it accepted, and those proposed after the step).
 The headline is the earliest of these, so a wrong layer-0 attention output is named before the layer-1
 routing change and the sampled token that follow from it.
 """
@@ -65,6 +66,8 @@ def flow_key(d: Divergence) -> tuple:
     head = d.field.split(".", 1)[0].split("[", 1)[0]
     if head == "runner" and d.field.startswith("runner.sampled_token_ids"):
         return (*step, SAMPLER, 0, 0, 0)
+    if head == "spec_decode":  # the sampler's verification of the drafts, then the drafts proposed after it
+        return (*step, SAMPLER, 1, 0, 0)
     if head in _STAGES:
         return (*step, _STAGES[head], 0, 0, 0)
     if d.kind == "tokens":

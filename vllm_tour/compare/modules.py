@@ -5,7 +5,7 @@ This is the one place a module name is written. Standard library only: the GPU r
 
 Every module is judged on tokens. `sections` are the per-step records compared besides
 (scheduler decisions, KV state, runner inputs, attention metadata, MoE routing and expert
-placement), `captures` the tensors compared per layer (none: not judged on tensors).
+placement, speculative decoding's drafts and verifications), `captures` the tensors compared per layer (none: not judged on tensors).
 """
 
 from __future__ import annotations
@@ -41,6 +41,8 @@ class CompareModule:
     # EP ranks its MoE block simulates: it also compares runs at tensor_parallel_size = this with
     # enable_expert_parallel (each rank's expert map and partial against upstream's own ranks)
     expert_parallel: int = 0
+    # runs speculative decoding (a scenario with engine.extra.speculative_config needs such a module)
+    speculative: bool = False
 
 
 MODULES: dict[str, CompareModule] = {m.name: m for m in (
@@ -73,6 +75,11 @@ MODULES: dict[str, CompareModule] = {m.name: m for m in (
         components={**REFERENCE, "moe": "reimpl.ep:expert_parallel_moe"},
         sections=("scheduler", "kv", "runner", "moe"), captures=("router_logits", "moe_out", "moe_partial"),
         moe_only=True, expert_parallel=2),
+    CompareModule(
+        "reimpl.spec_decode", "speculative decoding: ngram drafts proposed after each step, verified greedily in the "
+        "next, rejected drafts rolled back (reimpl/spec_decode.py)",
+        components={**REFERENCE, "scheduler": "reimpl.spec_decode:SpecDecodeScheduler"},
+        sections=("scheduler", "kv", "runner", "spec_decode"), speculative=True),
 )}
 
 # What upstream is asked to capture: every module's tensors, so that one upstream run serves them all.

@@ -26,6 +26,12 @@ def applicable(scenario, module: str | None = None) -> str | None:
         check_extra(scenario.engine.extra)
     except TourError as e:
         return str(e)
+    if "speculative_config" in scenario.engine.extra:
+        if not (module and get_module(module).speculative):
+            spec = ", ".join(name for name, m in MODULES.items() if m.speculative)
+            return f"speculative decoding ({spec} compares it)"
+        if DTYPES.get(scenario.engine.dtype) != "float32":
+            return f"dtype {scenario.engine.dtype} with speculative decoding (its compare runs float32)"
     world = get_module(module).world_size if module else 1
     tp = scenario.engine.tensor_parallel_size
     ep = scenario.engine.enable_expert_parallel and tp > 1

@@ -19,7 +19,7 @@ from pathlib import Path
 from vllm_tour.paths import GOLDEN_DIR, SCENARIOS_DIR
 from vllm_tour.trace.reader import Run, load_run, read_records
 
-GOLDEN_SCENARIOS = ("single", "concurrent8", "shared_prefix", "preemption", "chunked_prefill", "tp2")
+GOLDEN_SCENARIOS = ("single", "concurrent8", "shared_prefix", "preemption", "chunked_prefill", "tp2", "spec_ngram")
 _VOLATILE = {"time", "duration_s", "proc"}
 
 
@@ -37,6 +37,8 @@ def deterministic(run: Run) -> dict:
                 "kv": _clean(s.kv) if s.kv else None,
                 "runner": {str(r): _clean(v) for r, v in sorted(s.runner.items())},
                 "attention": {str(r): _clean(v) for r, v in sorted(s.attention.items())},
+                "spec_verify": _clean(s.spec_verify) if s.spec_verify else None,
+                "spec_proposal": _clean(s.spec_proposal) if s.spec_proposal else None,
                 "errors": [e.probe for e in s.errors],
             }
         )

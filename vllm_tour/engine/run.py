@@ -391,7 +391,8 @@ def run_upstream(
                 if probes:
                     install_all(tag, backend=backend)  # this process; child processes install through the plugin
                     RECORDER.activate(run_dir.resolve(), ",".join(names), capture_steps, fault, level)
-                outputs = _drive(scenario, kwargs, progress, logprobs)
+                outputs = (_drive_in_child(scenario, kwargs, logprobs) if "speculative_config" in kwargs
+                           else _drive(scenario, kwargs, progress, logprobs))
             except BaseException as e:
                 fail_run(meta, run_dir, e, "engine")
             finally:
@@ -445,6 +446,25 @@ def _drive(scenario: Scenario, kwargs: dict, progress: Progress | None, logprobs
         return [done[r.req_id] for r in scenario.requests if r.req_id in done]
     finally:
         _shutdown(engine)
+
+
+def _drive_in_child(scenario: Scenario, kwargs: dict, logprobs: int) -> list[RequestOutput]:
+    """_drive in a fresh (spawned) process, in-process mode there, the probes installed by the plugin from the
+    environment. Measured on v0.32.0: once ngram speculation has run in a process (its proposer imports numba),
+    no other vLLM engine starts in it: the CPU worker's Triton-kernel overrides (triton_utils.dispatcher.
+    _rebind_kernels) scan every module and fail on an llvmlite object ("'_lib_fn_wrapper' object has no
+    attribute 'get'"). The child ends with the run; this process can start engines after it."""
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        outputs = pool.apply(_drive_as_json, (scenario.model_dump(mode="json"), kwargs, logprobs))
+    return [RequestOutput.model_validate(o) for o in outputs]
+
+
+def _drive_as_json(scenario: dict, kwargs: dict, logprobs: int) -> list[dict]:
+    from vllm_tour.scenario import scenario_from_dict
+
+    return [o.model_dump(mode="json") for o in _drive(scenario_from_dict(scenario), kwargs, None, logprobs)]
 
 
 def _top_logprobs(positions, k: int) -> dict:

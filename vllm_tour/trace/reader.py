@@ -32,6 +32,8 @@ from vllm_tour.trace.schema import (
     RunnerRecord,
     SchedulerRecord,
     ServerRequestRecord,
+    SpecProposalRecord,
+    SpecVerifyRecord,
     TPShardsRecord,
 )
 from vllm_tour.trace.writer import LATEST_NAME
@@ -51,6 +53,8 @@ class Step:
     errors: list[ProbeErrorRecord] = field(default_factory=list)
     moe: dict[int, list[MoERecord]] = field(default_factory=dict)  # by TP/EP rank, in layer order
     aborts: list[AbortRecord] = field(default_factory=list)  # requests the engine dropped during this step
+    spec_verify: SpecVerifyRecord | None = None  # speculative decoding: the drafts this step verified
+    spec_proposal: SpecProposalRecord | None = None  # and the drafts proposed after it, for the next step
 
 
 @dataclass
@@ -312,6 +316,10 @@ def load_run(path: str | Path) -> Run:
                 errors.append(rec)
             elif isinstance(rec, AbortRecord):
                 s.aborts.append(rec)
+            elif isinstance(rec, SpecVerifyRecord):
+                s.spec_verify = rec
+            elif isinstance(rec, SpecProposalRecord):
+                s.spec_proposal = rec
             elif isinstance(rec, MoERecord):
                 s.moe.setdefault(rec.proc.rank, []).append(rec)
             elif isinstance(rec, ProbeTargetRecord):

@@ -65,6 +65,10 @@ def step_events(step: Step) -> list[Event]:
                              f"前缀缓存命中 {h.req_id}：{h.num_hit_tokens} 个 token，块 {h.block_ids}", "prefix-hit", h.req_id))
         if step.kv.evicted:
             out.append(Event(f"evict {step.kv.evicted}", f"驱逐 {step.kv.evicted}", "eviction", None))
+    for v in step.spec_verify.requests if step.spec_verify else []:
+        n = f"{v.num_accepted}/{len(v.draft_token_ids)}"
+        out.append(Event(f"spec {v.req_id}: {n} drafts accepted", f"投机解码 {v.req_id}：接受 {n} 个草稿 token",
+                         "spec-decode", v.req_id))
     return out
 
 

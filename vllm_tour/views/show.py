@@ -11,6 +11,7 @@ from rich.text import Text
 from vllm_tour.trace import levels
 from vllm_tour.trace.experts import expert_view, moe_detail
 from vllm_tour.trace.reader import Run, Step
+from vllm_tour.views import spec_decode
 from vllm_tour.views.event_notes import notes_line, step_concepts
 from vllm_tour.views.explain import request_summary
 from vllm_tour.views.served import engine_request
@@ -92,6 +93,7 @@ def _events_cell(step: Step, run: Run, finishing: list[str] = ()) -> Text:
             t.append(f"hit {h.req_id}:{h.num_hit_tokens}t ", style="bold green")
         if step.kv.evicted:
             t.append(f"evict {len(step.kv.evicted)} ", style="yellow")
+    t.append(spec_decode.events(step))
     if step.errors:
         t.append(f"{len(step.errors)} probe error(s)", style="bold red")
     return t
@@ -192,6 +194,8 @@ def step_detail(run: Run, step: Step) -> Group:
                              f"dropped after this step's schedule; blocks {a.block_ids}, freed {a.freed_block_ids} "
                              "(in the next step's KV record)")
         parts.append(Panel(body, title="abort", expand=False))
+    if step.spec_verify or step.spec_proposal:
+        parts.append(spec_decode.spec_table(run, step=step))
     parts += _not_recorded(run, "blocks", "block tables, KV pool, prefix-cache hits")
     if step.kv:
         parts.append(block_grid(run, step))
@@ -283,6 +287,8 @@ def request_view(run: Run, rid: str) -> Group:
             t.add_row(str(s.index), " ".join(f"{b}{'+' if b in new else '*' if b in hit else ''}" for b in s.kv.block_tables[rid]))
     missing = _not_recorded(run, "blocks", f"{rid}'s blocks per step")
     parts += missing or [t]
+    if spec_decode.has_spec(run):
+        parts.append(spec_decode.spec_table(run, request=rid))
     why = request_summary(run, rid)
     if why:  # the explanation's turns, in short: `vllm-tour explain RUN --request R` has the evidence
         parts.append(Text("why (vllm-tour explain --request " + rid + " gives the evidence):\n  " + "\n  ".join(why)))
@@ -368,6 +374,9 @@ def show(run: Run, console: Console, step: int | None = None, request: str | Non
         lines = [line for c in seen if (line := notes_line(c, run.meta.pin))]
         if lines:
             console.print(Text("events in this run, and the notes on the code that makes them:\n  " + "\n  ".join(lines), style="dim"))
+        if spec_decode.has_spec(run):
+            console.print(spec_decode.summary(run))
+            console.print(spec_decode.spec_table(run))
         if run.tp_shards:
             console.print(tp_summary(run))
         for line in _not_recorded(run, "blocks", "block tables, KV pool, prefix-cache hits"):
