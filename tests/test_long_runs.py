@@ -1,0 +1,125 @@
+"""Long runs (issue 32 item 3): records in segments with an index, windows of steps or time read alone.
+
+One upstream run of the preemption scenario (83 steps) written in 10-step segments, against the same
+scenario recorded with the default segment size (one segment): trace_runs' shared run.
+"""
+
+import json
+import os
+import shutil
+
+import pytest
+from rich.console import Console
+
+from vllm_tour.trace.reader import load_run, load_tail, read_index, read_records, steps_between
+from vllm_tour.trace.writer import SEGMENT_STEPS_ENV
+from vllm_tour.views.show import step_table
+
+SEGMENT = 10
+
+
+@pytest.fixture(scope="module")
+def segmented(tmp_path_factory):
+    from vllm_tour.engine.run import run_upstream
+    from vllm_tour.paths import SCENARIOS_DIR
+    from vllm_tour.scenario import load_scenario
+
+    os.environ[SEGMENT_STEPS_ENV] = str(SEGMENT)
+    try:
+        return run_upstream(load_scenario(SCENARIOS_DIR / "preemption.toml"), tmp_path_factory.mktemp("long") / "seg")
+    finally:
+        del os.environ[SEGMENT_STEPS_ENV]
+
+
+def _raw(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_segments_are_indexed_and_self_contained(segmented, trace_runs):
+    files = sorted(segmented.glob("records.*.jsonl"))
+    index = read_index(segmented)
+    assert len(files) == 9 and sorted(index) == [f.name for f in files]  # 83 steps in 10-step segments
+    entries = [index[f.name] for f in files]
+    assert [(e["first_step"], e["last_step"]) for e in entries] == [(s, min(s + SEGMENT - 1, 83)) for s in range(1, 84, SEGMENT)]
+    assert all(e["first_time"] <= e["last_time"] and e["bytes"] == f.stat().st_size for e, f in zip(entries, files))
+    whole = {s.index: s for s in load_run(trace_runs.get("preemption")).steps}
+    for f in files:
+        raw = _raw(f)
+        # the first KV and attention record of every segment carries its tables in full, no delta
+        assert next(r for r in raw if r["kind"] == "kv")["block_tables_since"] is None
+        assert next(r for r in raw if r["kind"] == "attention")["block_table_since"] is None
+        alone = read_records(f, warnings := [])
+        assert not warnings
+        for rec in alone:
+            if rec.kind == "kv":
+                assert rec.block_tables == whole[rec.step].kv.block_tables
+            elif rec.kind == "attention":
+                assert rec.block_table == whole[rec.step].attention[0].block_table
+
+
+def _comparable(step):
+    def drop(rec, *fields):
+        return rec.model_dump(exclude={"proc", *fields}) if rec else None
+
+    return (drop(step.scheduler, "time", "duration_s"), drop(step.kv), {r: drop(x) for r, x in step.runner.items()},
+            {r: drop(x) for r, x in step.attention.items()}, [drop(e) for e in step.errors])
+
+
+def test_segmented_run_equals_unsegmented(segmented, trace_runs):
+    plain_dir = trace_runs.get("preemption")
+    assert len(list(plain_dir.glob("records.*.jsonl"))) == 1
+    seg, plain = load_run(segmented), load_run(plain_dir)
+    assert not seg.warnings and [s.index for s in seg.steps] == list(range(1, 84))
+    assert [_comparable(s) for s in seg.steps] == [_comparable(s) for s in plain.steps]
+
+
+def _rows(run) -> dict[str, list[str]]:
+    console = Console(width=200, record=True, color_system=None)
+    console.print(step_table(run))
+    rows = [line for line in console.export_text().splitlines() if line.startswith("│") and line.split("│")[1].strip().isdigit()]
+    return {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:]] for line in rows}
+
+
+@pytest.mark.parametrize("window", [(1, 10), (36, 62), (37, 39), (80, 83), (83, 83), (59, 61)])
+def test_window_rows_equal_the_full_table(segmented, window):
+    full = _rows(load_run(segmented))
+    part = load_run(segmented, steps=window)
+    assert part.window == window and [s.index for s in part.steps] == list(range(window[0], window[1] + 1))
+    assert _rows(part) == {k: v for k, v in full.items() if window[0] <= int(k) <= window[1]}
+    assert any("finish" in " ".join(v) for v in full.values())  # the finishes are in the rows compared
+
+
+def test_window_reads_only_its_segments(segmented, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(segmented, copy)
+    for f in sorted(copy.glob("records.*.jsonl"))[:3] + sorted(copy.glob("records.*.jsonl"))[5:]:
+        f.write_text("not a record\n" * 3)  # steps 1-30 and 51-83 unreadable: a window inside 31-50 never sees them
+    part = load_run(copy, steps=(33, 48))
+    assert not part.warnings and _rows(part) == _rows(load_run(segmented, steps=(33, 48)))
+    assert load_run(copy).warnings  # the whole run does read them
+
+
+def test_time_window_and_tail(segmented):
+    run = load_run(segmented)
+    times = {s.index: s.scheduler.time - run.meta.started for s in run.steps}
+    t0, t1 = times[20], times[45]
+    assert steps_between(segmented, (t0, t1)) == (20, 45)
+    tail = load_tail(segmented, 5)
+    assert [s.index for s in tail.steps] == [79, 80, 81, 82, 83]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--steps", "50-40"], "--steps 50-40: the range ends before it starts"),
+    (["--steps", "90-100"], "steps 90-100 are not in seg (it has steps 1..83)"),
+    (["--time", "ten-20"], "--time 'ten-20': give a range FIRST-LAST of seconds"),
+    (["--steps", "10-20", "--step", "3"], "give one of --step, --request, --steps, --time"),
+])
+def test_bad_windows_exit_2(cli, segmented, args, message):
+    r = cli("show", segmented, *args)
+    assert r.returncode == 2 and r.stderr.startswith("error: " + message) and len(r.stderr.splitlines()) == 1, r.stderr
+
+
+def test_show_steps_cli(cli, segmented):
+    r = cli("show", segmented, "--steps", "36-40")
+    assert r.returncode == 0, r.stderr
+    assert "steps 36-40 (5 steps)" in r.stdout and "PREEMPT r2" in r.stdout
