@@ -123,3 +123,36 @@ def test_show_steps_cli(cli, segmented):
     r = cli("show", segmented, "--steps", "36-40")
     assert r.returncode == 0, r.stderr
     assert "steps 36-40 (5 steps)" in r.stdout and "PREEMPT r2" in r.stdout
+
+
+def test_recorder_state_holds_only_live_requests(tmp_path):
+    """Hundreds of requests come and finish; what the Recorder keeps between steps is the live ones'."""
+    from vllm_tour.bench.long_run import PROMPT_TOKENS, drive
+    from vllm_tour.engine.run import engine_kwargs
+    from vllm_tour.engine.sched_harness import _make_scheduler, scheduler_probes
+    from vllm_tour.probes.base import install, uninstall
+    from vllm_tour.probes.install import check_probes
+    from vllm_tour.scenario import Scenario
+    from vllm_tour.trace.writer import RECORDER, user_req_id
+    from vllm_tour.upstream.models import resolve_model
+    from vllm_tour.upstream.pins import active_pin_tag
+
+    tag = active_pin_tag()
+    scenario = Scenario.model_validate({"name": "state", "requests": [{"id": "r0", "token_ids": [5] * PROMPT_TOKENS}]})
+    sched = _make_scheduler(engine_kwargs(scenario, resolve_model(scenario.model), tag), async_sched=False)
+    resolved = check_probes(tag, probes=scheduler_probes())
+    install(resolved, RECORDER)
+    RECORDER.activate(tmp_path)
+    try:
+        drive(sched, 400, samples=1)
+        manager = sched.kv_cache_manager.coordinator.single_type_managers[0]
+        holding = {user_req_id(r) for r, blocks in manager.req_to_blocks.items() if blocks}
+        running = [user_req_id(r.request_id) for r in sched.running]
+        assert len(holding) >= 8  # requests are live at the end, ~200 have finished
+        assert set(RECORDER.kv_prev_tables) == holding
+        assert RECORDER.kv_prev_keys == list(manager.req_to_blocks) and len(RECORDER.kv_prev_sizes) == len(manager.req_to_blocks)
+        assert RECORDER.sched_prev[1] == running
+    finally:
+        RECORDER.deactivate()
+        uninstall(resolved)
+    assert len(list(tmp_path.glob("records.*.jsonl"))) == 1
