@@ -161,12 +161,13 @@ def main() -> None:
     mb = 1 << 20
     hw = hardware()
     first, last = min(rss), max(rss)
-    print(f"hardware: {hw['cpu']}{' (AMX)' if hw['amx'] else ''}, {hw['cores']} cores (shared with other jobs while measured)")
+    print(f"hardware: {hw['cpu']}{' (AMX)' if hw['amx'] else ''}, {hw['cores']} cores; load average at the end "
+          f"{os.getloadavg()[0]:.1f} (other jobs on the machine count)")
     print(f"workload: {args.steps} steps of upstream's Scheduler with the scheduler and KV probes (sched_harness, tiny-qwen3 "
           f"config), a request arriving with p={ARRIVAL_P} per step ({PROMPT_TOKENS} prompt + {OUTPUT_TOKENS[0]}-{OUTPUT_TOKENS[1]} "
           f"output tokens); segments of {args.segment_steps} steps; recorded in {record_s:.0f} s")
     print("writer RSS: " + ", ".join(f"{s // 1000}k {b / mb:.1f}" for s, b in sorted(rss.items())) + " MB")
-    print(f"writer RSS growth {first} -> {last} steps: {(rss[last] - rss[first]) / mb:+.1f} MB")
+    print(f"writer RSS growth {first} -> {last} steps: {(rss[last] - rss[first]) / mb:+.2f} MB")
     print(f"records on disk: {disk / mb:.1f} MB in {len(files)} segments ({disk / args.steps:.0f} B per step)")
     print(f"show --steps {window[0]}-{window[1]} (in process, median of 3): {window_s:.3f} s; "
           f"loading the whole run: {whole_s:.1f} s; ratio {whole_s / window_s:.0f}x; window rows equal the whole run's: {same}")
