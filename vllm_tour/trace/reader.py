@@ -285,7 +285,7 @@ class _Tables:
         self._warned: set = set()
 
     def expand(self, rec) -> None:
-        """Fill in a record's block tables (a schema record, or a _TablesOnly one) from its delta."""
+        """Fill in a record's block tables from its delta (a schema record, or a _KVTables / _AttentionRows)."""
         if rec.kind == "kv":
             if rec.block_tables_since is not None:
                 full = dict(self._base(self.kv, rec, rec.block_tables_since))
@@ -447,7 +447,7 @@ def load_tail(path: str | Path, steps: int) -> Run:
 
 
 def _extent(path: Path, index: dict[str, dict]) -> str:
-    """The run's steps and duration, as the index knows them (else as a full read finds them)."""
+    """The run's steps, as the index knows them (else as a full read finds them)."""
     if index:
         first = min(e["first_step"] for e in index.values())
         lasts = [e["last_step"] for e in index.values()]
