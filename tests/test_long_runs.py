@@ -11,7 +11,13 @@ import shutil
 import pytest
 from rich.console import Console
 
-from vllm_tour.trace.reader import load_run, load_tail, read_index, read_records, steps_between
+from vllm_tour.trace.reader import (
+    load_run,
+    load_tail,
+    read_index,
+    read_records,
+    steps_between,
+)
 from vllm_tour.trace.writer import SEGMENT_STEPS_ENV
 from vllm_tour.views.show import step_table
 
@@ -157,3 +163,29 @@ def test_recorder_state_holds_only_live_requests(tmp_path):
         RECORDER.deactivate()
         uninstall(resolved)
     assert len(list(tmp_path.glob("records.*.jsonl"))) == 1
+
+
+def test_a_segment_closes_at_its_byte_limit_on_a_step_boundary(tmp_path, monkeypatch):
+    from vllm_tour.trace.schema import ProbeErrorRecord
+    from vllm_tour.trace.writer import SEGMENT_BYTES_ENV, Recorder
+
+    monkeypatch.setenv(SEGMENT_BYTES_ENV, "1000")
+    rec = Recorder()
+    rec.activate(tmp_path)
+    for step in range(1, 31):
+        rec.segment_boundary(step)
+        for _ in range(2):  # two records a step: a step never splits across segments
+            rec.write(ProbeErrorRecord(step=step, proc=rec.proc("engine_core"), probe="p", target="t", error="e", traceback="x" * 100))
+    rec.deactivate()
+    files = sorted(tmp_path.glob("records.*.jsonl"))
+    index = read_index(tmp_path)
+    assert len(files) > 3 and sorted(index) == [f.name for f in files]
+    spans = [(index[f.name]["first_step"], index[f.name]["last_step"]) for f in files]
+    assert spans[0][0] == 1 and spans[-1][1] == 30 and all(b[0] == a[1] + 1 for a, b in zip(spans, spans[1:]))
+    assert all(1000 <= f.stat().st_size < 1000 + 2 * 300 for f in files[:-1])
+    assert [e.step for f in files for e in read_records(f, [])] == [s for s in range(1, 31) for _ in range(2)]
+
+
+def test_a_bad_segment_size_stops_trace_before_the_engine(cli):
+    r = cli("trace", "--request", "hi", env={SEGMENT_STEPS_ENV: "0"}, timeout=60)
+    assert r.returncode == 2 and r.stderr == f"error: {SEGMENT_STEPS_ENV}=0: give a whole number above 0\n"

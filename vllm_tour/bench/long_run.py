@@ -153,7 +153,7 @@ def main() -> None:
         del whole
         t0 = time.perf_counter()
         cli = subprocess.run([sys.executable, "-m", "vllm_tour", "show", str(run_dir), "--steps", f"{window[0]}-{window[1]}"],
-                             capture_output=True, text=True)
+                             capture_output=True, text=True, check=False)
         cli_s = time.perf_counter() - t0
         if cli.returncode != 0:
             raise SystemExit(f"show --steps failed: {cli.stderr.strip()}")
