@@ -114,14 +114,15 @@ def test_time_window_and_tail(segmented):
     assert [s.index for s in tail.steps] == [79, 80, 81, 82, 83]
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--steps", "50-40"], "--steps 50-40: the range ends before it starts"),
-    (["--steps", "90-100"], "steps 90-100 are not in seg (it has steps 1..83)"),
-    (["--time", "ten-20"], "--time 'ten-20': give a range FIRST-LAST of seconds"),
-    (["--steps", "10-20", "--step", "3"], "give one of --step, --request, --steps, --time"),
+@pytest.mark.parametrize("golden, args, message", [
+    (False, ["--steps", "50-40"], "--steps 50-40: the range ends before it starts"),
+    (False, ["--steps", "90-100"], "steps 90-100 are not in seg (it has steps 1..83)"),
+    (False, ["--time", "ten-20"], "--time 'ten-20': give a range FIRST-LAST of seconds"),
+    (False, ["--steps", "10-20", "--step", "3"], "give one of --step, --request, --steps, --time"),
+    (True, ["--time", "0-5"], "preemption keeps no wall times (a golden run's are zeroed): give a window of steps instead"),
 ])
-def test_bad_windows_exit_2(cli, segmented, args, message):
-    r = cli("show", segmented, *args)
+def test_bad_windows_exit_2(cli, segmented, golden, args, message):
+    r = cli("show", "preemption" if golden else segmented, *args)
     assert r.returncode == 2 and r.stderr.startswith("error: " + message) and len(r.stderr.splitlines()) == 1, r.stderr
 
 

@@ -390,6 +390,8 @@ def steps_between(path: str | Path, seconds: tuple[float, float]) -> tuple[int, 
 
 def _steps_between(path: Path, meta: RunMeta, index: dict[str, dict], seconds: tuple[float, float]) -> tuple[int, int]:
     """The first and last step whose scheduler record's time lies `seconds` (since the run started) in."""
+    if not meta.started:
+        raise TourError(f"{path.name} keeps no wall times (a golden run's are zeroed): give a window of steps instead")
     lo, hi = meta.started + seconds[0], meta.started + seconds[1]
     found = []
     for f in _records_files(path, index, ("first_time", "last_time"), (lo, hi)):
@@ -408,7 +410,7 @@ def _steps_between(path: Path, meta: RunMeta, index: dict[str, dict], seconds: t
                 found.append(head.step)
     if not found:
         raise TourError(f"no step of {path.name} was scheduled {seconds[0]:g}-{seconds[1]:g} s after the run "
-                        f"started ({_extent(path, index)}; a golden run keeps no times)")
+                        f"started ({_extent(path, index)})")
     return min(found), max(found)
 
 
