@@ -7,7 +7,7 @@ scheduler-only harness drives it (vllm_tour/engine/sched_harness.py: tiny-qwen3'
 pool, a fabricated model output per step), with the scheduler and KV probes installed and the
 Recorder writing segments (VLLM_TOUR_SEGMENT_STEPS). Requests come and go: each step one arrives with
 probability 1/2 (48-token prompt, 16-48 output tokens, a fresh id with upstream's "-<8 hex>" suffix),
-so 8-32 run at once and their block tables grow, finish and get reused.
+so ~16 run at once (1/2 arrival x 32 tokens on average) and their block tables grow, finish and get reused.
 
 Printed: the writer's RSS every 10% of the run (after a full garbage collection) and its growth from
 10% to the end; the records on disk; then, on the finished run, `show --steps A-B` (A-B = the 101 steps

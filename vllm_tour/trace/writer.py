@@ -44,7 +44,7 @@ os.register_at_fork(after_in_child=lambda: _PID.__setitem__(0, os.getpid()))
 
 SEGMENT_STEPS_ENV = "VLLM_TOUR_SEGMENT_STEPS"  # steps per records segment
 SEGMENT_BYTES_ENV = "VLLM_TOUR_SEGMENT_BYTES"  # bytes per records segment
-SEGMENT_STEPS = 10_000  # ~13 MB at 8-32 running requests (bench.long_run): a window reads one or two
+SEGMENT_STEPS = 10_000  # ~13 MB at ~16 running requests (bench.long_run): a window reads one or two
 SEGMENT_BYTES = 64 << 20
 INDEX_NAME = "index.jsonl"
 
