@@ -7,6 +7,7 @@ scenario recorded with the default segment size (one segment): trace_runs' share
 import json
 import os
 import shutil
+from itertools import pairwise
 
 import pytest
 from rich.console import Console
@@ -182,7 +183,7 @@ def test_a_segment_closes_at_its_byte_limit_on_a_step_boundary(tmp_path, monkeyp
     index = read_index(tmp_path)
     assert len(files) > 3 and sorted(index) == [f.name for f in files]
     spans = [(index[f.name]["first_step"], index[f.name]["last_step"]) for f in files]
-    assert spans[0][0] == 1 and spans[-1][1] == 30 and all(b[0] == a[1] + 1 for a, b in zip(spans, spans[1:]))
+    assert spans[0][0] == 1 and spans[-1][1] == 30 and all(b[0] == a[1] + 1 for a, b in pairwise(spans))
     assert all(1000 <= f.stat().st_size < 1000 + 2 * 300 for f in files[:-1])
     assert [e.step for f in files for e in read_records(f, [])] == [s for s in range(1, 31) for _ in range(2)]
 
