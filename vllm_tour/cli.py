@@ -338,8 +338,8 @@ def trace(
 ):
     """Run the pinned upstream vLLM engine with probes and record every step.
 
-    Writes traces/runs/<stamp>-<name>/ (meta.json, one records.<pid>.jsonl per
-    vLLM process, outputs.json, upstream.log: what upstream wrote) and prints a summary. Examples:
+    Writes traces/runs/<stamp>-<name>/ (meta.json, records.<pid>.<seg>.jsonl per vLLM process in
+    segments, index.jsonl, outputs.json, upstream.log: what upstream wrote) and prints a summary. Examples:
 
       vllm-tour trace --request "hello"
 
@@ -385,8 +385,8 @@ def serve(
     The server is the one `vllm serve` runs (python -m vllm.entrypoints.openai.api_server)
     with the engine arguments a `trace` plans (block size 32, float32, the KV pool), on
     127.0.0.1. Point any OpenAI client at the printed URL; Ctrl-C stops the server and
-    completes the run: meta.json, one records.<pid>.jsonl per vLLM process, outputs.json,
-    server.log (upstream's log).
+    completes the run: meta.json, records.<pid>.<seg>.jsonl per vLLM process (segments: a long run's
+    steps in files of VLLM_TOUR_SEGMENT_STEPS), index.jsonl, outputs.json, server.log (upstream's log).
 
     Beside the steps, the run holds each request as the server saw it: the API id
     (chatcmpl-..., cmpl-...), its engine requests (n > 1: one per choice), arrival and
@@ -474,19 +474,22 @@ def show(
     run: str = typer.Argument("latest", help="A run directory, a name under traces/runs or traces/golden, or 'latest' (the last trace started)."),
     step: Optional[int] = typer.Option(None, "--step", "-n", help="Show one step in full: batch, block grid, runner inputs, attention metadata."),
     request: Optional[str] = typer.Option(None, "--request", "-r", help="Follow one request: its steps and block table over time."),
+    steps: Optional[str] = typer.Option(None, "--steps", help="Only the step table of steps A-B (e.g. 1000-1100), reading only the records of those steps."),
+    seconds: Optional[str] = typer.Option(None, "--time", help="Only the step table of the steps scheduled T0-T1 seconds after the run started (e.g. 60-90.5)."),
 ):
     """Show a recorded run step by step: batch per step, block-table grid, preemptions, finishes.
 
     Legend in the batch column: r1:NP32 = r1 new, 32 prefill tokens; r0:D = one
     decode token; R = resumed after preemption. Block grid: + new this step,
     * reused from the prefix cache, color = the request that first owned the block.
+    A long run opens fast with --steps or --time: only the segments that hold the window are read.
     """
-    from vllm_tour.trace.reader import load_run
+    from vllm_tour.views.show import load_for_show
     from vllm_tour.views.show import show as render
 
-    if step is not None and request is not None:
-        raise TourError("give --step or --request, not both")
-    render(load_run(run), console, step=step, request=request)
+    if sum(x is not None for x in (step, request, steps, seconds)) > 1:
+        raise TourError("give one of --step, --request, --steps, --time")
+    render(load_for_show(run, steps, seconds), console, step=step, request=request)
 
 
 @app.command()

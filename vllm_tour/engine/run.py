@@ -2,7 +2,8 @@
 
     traces/runs/<stamp>-<slug>/
       meta.json               what ran: pin, model, engine args, requests, env allow-list
-      records.<pid>.jsonl     one per vLLM process that recorded something
+      records.<pid>.<seg>.jsonl  per vLLM process that recorded something, in segments (trace/writer.py)
+      index.jsonl             the segments: file, first/last step and wall time
       captures/*.safetensors  tensors (with capture names)
       outputs.json            generated token ids and text per request (written last)
 
@@ -40,11 +41,13 @@ from vllm_tour.trace.schema import Outputs, RequestOutput, RunMeta
 from vllm_tour.trace.writer import (
     CAPTURE_ENV,
     CAPTURE_STEPS_ENV,
+    INDEX_NAME,
     RECORDER,
     RUN_DIR_ENV,
     allocate_run_dir,
     mark_latest,
     parse_steps,
+    segment_limits,
     write_json_atomic,
 )
 from vllm_tour.upstream.models import ModelFacts
@@ -330,6 +333,7 @@ def run_upstream(
         names = _check_capture(capture)
         _check_capture_steps(capture_steps)
         check_level(level)
+        segment_limits()  # a bad VLLM_TOUR_SEGMENT_* fails here, not in an engine process
         if names and not has_level(level, "full"):
             raise TourError(f"--capture needs --level full (captures are taken by the runner and attention probes); got {level}")
         logprobs = default_logprobs(scenario.engine.dtype) if logprobs is None else logprobs
@@ -348,7 +352,7 @@ def run_upstream(
             run_dir = new_run_dir(scenario.name)
         run_dir.mkdir(parents=True, exist_ok=True)
         spool.keep_in(run_dir)
-        for stale in ("outputs.json", "meta.json"):
+        for stale in ("outputs.json", "meta.json", INDEX_NAME):
             (run_dir / stale).unlink(missing_ok=True)
         for old in run_dir.glob("records.*.jsonl"):
             old.unlink()

@@ -25,7 +25,7 @@ from vllm_tour.engine.upstream_log import upstream_output
 from vllm_tour.paths import TOUR_VERSION as __version__
 from vllm_tour.scenario import RequestOptions, Scenario
 from vllm_tour.trace.schema import Outputs, RequestOutput, RunMeta
-from vllm_tour.trace.writer import RECORDER, write_json_atomic
+from vllm_tour.trace.writer import INDEX_NAME, RECORDER, write_json_atomic
 
 KV_EVENTS_FILE = "kv_events.json"  # the KV events the scheduler published, by step (kv_events_config on)
 
@@ -52,7 +52,7 @@ def run_scheduler(scenario: Scenario, run_dir: Path, progress: Progress | None =
                    for r in scenario.requests}
         run_dir.mkdir(parents=True, exist_ok=True)
         spool.keep_in(run_dir)
-        for old in [*run_dir.glob("records.*.jsonl"), run_dir / "outputs.json", run_dir / "meta.json"]:
+        for old in [*run_dir.glob("records.*.jsonl"), run_dir / INDEX_NAME, run_dir / "outputs.json", run_dir / "meta.json"]:
             old.unlink(missing_ok=True)
 
         async_sched = bool(scenario.engine.extra.get("async_scheduling"))

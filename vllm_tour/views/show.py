@@ -10,7 +10,7 @@ from rich.text import Text
 
 from vllm_tour.trace import levels
 from vllm_tour.trace.experts import expert_view, moe_detail
-from vllm_tour.trace.reader import Run, Step
+from vllm_tour.trace.reader import Run, Step, load_run, parse_window, steps_between
 from vllm_tour.views import spec_decode
 from vllm_tour.views.event_notes import notes_line, step_concepts
 from vllm_tour.views.explain import request_summary
@@ -78,6 +78,27 @@ def last_steps(run: Run) -> dict[int, list[str]]:
     return out
 
 
+def window_last_steps(run: Run) -> dict[int, list[str]]:
+    """last_steps for a window (Run.window) without the steps after it: a request scheduled in step s
+    finished there when step s + 1 lists it as finished, or when s is the run's last step."""
+    done = {o.req_id: o.finish_reason for o in run.outputs.requests} if run.outputs else {}
+    steps = [*run.steps, run.next_step]
+    out: dict[int, list[str]] = {}
+    for s, after in zip(run.steps, steps[1:]):
+        if s.scheduler is None:
+            continue
+        if after is None:  # the run's last step
+            ended = done.keys()
+        elif after.index == s.index + 1 and after.scheduler is not None:
+            ended = after.scheduler.finished
+        else:
+            continue
+        for r in s.scheduler.scheduled:
+            if r.req_id in ended and r.req_id in done:
+                out.setdefault(s.index, []).append(f"{r.req_id} ({done[r.req_id]})")
+    return out
+
+
 def _events_cell(step: Step, run: Run, finishing: list[str] = ()) -> Text:
     t = Text()
     s = step.scheduler
@@ -100,9 +121,15 @@ def _events_cell(step: Step, run: Run, finishing: list[str] = ()) -> Text:
 
 
 def step_table(run: Run, focus: str | None = None, only: Step | None = None) -> Table:
-    """Every step of the run, or `only` that one (its finishes still judged on the whole run)."""
+    """Every step of the run (of its window), or `only` that one (its finishes still judged on the whole run)."""
     col = colors(run)
-    title = escape(f"{run.path.name} — step {only.index} of {len(run.steps)}" if only else f"{run.path.name} — {len(run.steps)} steps")
+    if only:
+        title = f"{run.path.name} — step {only.index} of {len(run.steps)}"
+    elif run.window:
+        title = f"{run.path.name} — steps {run.window[0]}-{run.window[1]} ({len(run.steps)} steps)"
+    else:
+        title = f"{run.path.name} — {len(run.steps)} steps"
+    title = escape(title)
     table = Table(title=title, title_justify="left", expand=False)
     blocks = levels.has(run.meta.level, "blocks")  # no KV column for a run that recorded none
     columns = [("step", "right"), ("wait", "right"), ("run", "right"), ("tokens", "right"),
@@ -110,7 +137,7 @@ def step_table(run: Run, focus: str | None = None, only: Step | None = None) -> 
                *([("KV free (usable)", "right")] if blocks else []), ("events", "left")]
     for c, j in columns:
         table.add_column(c, justify=j, overflow="fold")
-    finishing = last_steps(run)
+    finishing = window_last_steps(run) if run.window else last_steps(run)
     for s in [only] if only else run.steps:
         if focus and not _involves(s, focus):
             continue
@@ -360,12 +387,23 @@ def server_table(run: Run) -> Table:
     return t
 
 
+def load_for_show(run: str, steps: str | None = None, seconds: str | None = None) -> Run:
+    """The run, or the window of it that --steps "A-B" or --time "T0-T1" (seconds after its start) names."""
+    if steps is not None:
+        return load_run(run, steps=parse_window(steps, "--steps", whole=True))
+    if seconds is not None:
+        return load_run(run, steps=steps_between(run, parse_window(seconds, "--time", whole=False)))
+    return load_run(run)
+
+
 def show(run: Run, console: Console, step: int | None = None, request: str | None = None) -> None:
     console.print(header(run))
     for w in run.warnings:
         console.print("[yellow]warning:[/] " + escape(w))
     if step is not None:
         console.print(step_detail(run, run.step(step)))
+    elif run.window:
+        console.print(step_table(run))
     elif request is not None:
         console.print(request_view(run, request))
     else:
