@@ -91,7 +91,7 @@ def test_the_true_claim_on_the_same_run_holds():
 @pytest.mark.parametrize("args, toml, message", [
     (["--note", "no-such-note"], None, "no proof for note(s) no-such-note"),
     (["--pin", "v0.21.0"], None, "pin v0.21.0 is not installed here"),
-    (["--pin", "v9.9.9"], None, "unknown pin v9.9.9"),
+    (["--pin", "v9.9.9"], None, "no pin 'v9.9.9'"),
     ([], '[pool-free-order\nscenario = "cmp_evict"', "not valid TOML"),
     ([], '[no-such-note]\nscenario = "cmp_evict"\ncheck = "owed_tokens"\nclaim.en = "x"\nclaim.zh = "x"\n',
      "no note with id 'no-such-note'"),
