@@ -29,6 +29,10 @@ def _aborts(run: Run) -> dict[str, tuple[int, object]]:
     return {a.req_id: (s.index, a) for s in run.steps for a in s.aborts}
 
 
+def _tokens(n: int) -> str:
+    return f"{n} token{'s' * (n != 1)}"
+
+
 def _client_aborted(run: Run):
     """The requests whose client hung up: the front end ended them with finish reason `abort`."""
     return [r for r in run.server_requests if r.finish_reason == "abort"]
@@ -64,12 +68,12 @@ def client_close_is_an_engine_abort(run: Run) -> str:
     aborts = _aborts(run)
     found = []
     for r in _client_aborted(run):
-        _need(r.req_id in aborts, None, f"{r.api_id}: the client saw abort after {len(r.token_ids)} tokens, "
+        _need(r.req_id in aborts, None, f"{r.api_id}: the client saw abort after {_tokens(len(r.token_ids))}, "
               f"but the engine recorded no abort of {r.req_id}")
         step, a = aborts[r.req_id]
         _need(a.status_before == "RUNNING", step, f"{r.api_id}: dropped at step {step} while {a.status_before}")
-        found.append(f"{r.api_id}: the client saw abort after {len(r.token_ids)} tokens; the engine dropped "
-                     f"{r.req_id} at step {step} while RUNNING, with {a.num_output_tokens} output tokens")
+        found.append(f"{r.api_id}: the client saw abort after {_tokens(len(r.token_ids))}; the engine dropped "
+                     f"{r.req_id} at step {step} while RUNNING, with {_tokens(a.num_output_tokens)} of output")
     return _shown(found, "a request whose client hung up (front-end finish reason abort)")
 
 
@@ -105,7 +109,7 @@ def front_end_tokens_are_engine_tokens(run: Run) -> str:
             continue  # a stop string ends it in the front end; no runner records without --level full
         _need(engine[r.req_id] == list(r.token_ids), None,
               f"{r.api_id}: the engine sampled {engine[r.req_id]}, the front end got {list(r.token_ids)}")
-        found.append(f"{r.req_id} ({r.finish_reason}): {len(r.token_ids)} tokens, the same in the runner's "
+        found.append(f"{r.req_id} ({r.finish_reason}): {_tokens(len(r.token_ids))}, the same in the runner's "
                      f"records and at the front end")
     return _shown(found, "a request that ended on its own with the runner's sampled tokens recorded "
                          "(a serve run at --level full)")
@@ -122,8 +126,8 @@ def stop_string_is_an_engine_abort(run: Run) -> str:
         _need(r.req_id in aborts, None, f"{r.api_id}: the client saw stop on {r.stop_reason!r}, "
               f"but the engine recorded no abort of {r.req_id}")
         step, a = aborts[r.req_id]
-        found.append(f"{r.api_id}: the client saw stop on {r.stop_reason!r} after {len(r.token_ids)} tokens; "
-                     f"the engine aborted {r.req_id} at step {step} ({a.num_output_tokens} output tokens there)")
+        found.append(f"{r.api_id}: the client saw stop on {r.stop_reason!r} after {_tokens(len(r.token_ids))}; "
+                     f"the engine aborted {r.req_id} at step {step} (with {_tokens(a.num_output_tokens)} of output)")
     return _shown(found, "a request ended by a stop string")
 
 
@@ -139,6 +143,6 @@ def aborted_output_dropped(run: Run) -> str:
         _need(sampled[:len(kept)] == kept, None,
               f"{r.api_id}: the front end kept {kept}, not a prefix of the engine's {sampled}")
         if len(sampled) > len(kept):
-            found.append(f"{r.req_id}: the engine sampled {len(sampled)} tokens, the front end kept the first "
+            found.append(f"{r.req_id}: the engine sampled {_tokens(len(sampled))}, the front end kept the first "
                          f"{len(kept)} and dropped {len(sampled) - len(kept)}")
     return _shown(found, "a client-aborted request the engine sampled past (runner records: --level full)")
