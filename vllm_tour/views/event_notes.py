@@ -1,5 +1,5 @@
 """Which notes explain a trace event: `show` prints them beside preemptions, prefix hits, evictions,
-chunked prefills and admissions, so a learner goes from what happened to the code that did it.
+chunked prefills, admissions and aborts, so a learner goes from what happened to the code that did it.
 
 The link is the notes' own `concepts` tags (source/concepts.py), read on the run's pin: a note hidden there
 (`not_on`) is not offered, one not checked there is offered with a mark.
@@ -49,6 +49,8 @@ def step_events(step: Step) -> list[tuple[str, str]]:
                             "chunked-prefill"))
         for p in s.preempted:
             out.append((f"PREEMPT {p.req_id}", "preemption"))
+    for a in step.aborts:  # a serve run's: the EngineCore dropped it during this step
+        out.append((f"ABORT {a.req_id}", "abort"))
     if step.kv:
         for h in step.kv.prefix_hits:
             out.append((f"hit {h.req_id}: {h.num_hit_tokens} tokens, blocks {h.block_ids}", "prefix-hit"))
