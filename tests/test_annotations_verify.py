@@ -327,3 +327,12 @@ def test_serve_claims_stay_on_the_pin_the_serve_run_was_recorded_on():
     """The server probes are v0.32.0's: another release is held to no serve claim (it has no serve run)."""
     for pin in ("v0.31.0", "v0.21.0"):
         assert not [n for n, p in verify.proofs_for_pin(pin).items() if p.scenario == verify.SERVE], pin
+
+
+def test_show_links_a_served_abort_to_the_serving_notes(cli):
+    run = _served_run()
+    step = next(s.index for s in run.steps if s.aborts)
+    r = cli("show", verify.recorded_run(PIN, verify.SERVE), "--step", step)
+    assert r.returncode == 0, r.stderr
+    out = " ".join(r.stdout.split())
+    assert "Abort (a client gone, a stop string) → notes: serve-abort-frees-blocks (EngineCore.abort_requests)" in out
