@@ -294,3 +294,88 @@ def test_a_check_goes_red_when_upstreams_rule_is_changed(monkeypatch, tmp_path):
                                 level="blocks"))
     v = verify.check_claims(run, proof.scenario, ["pool-free-order"], table)[0]
     assert not v.holds and v.step is not None and "hashless" in v.evidence, v.evidence
+
+
+# --- the serving path: claims on a `vllm-tour serve` run (tests/test_serve.py checks them on its own server's run)
+
+SERVE_MISSING = {
+    "n_children_named_after_parent": "the run never shows a request with n > 1",
+    "client_close_is_an_engine_abort": "the run never shows a request whose client hung up",
+    "aborted_blocks_freed_next_step": "the run never shows an aborted request holding blocks with a step after its abort",
+    "front_end_tokens_are_engine_tokens": "the run never shows a request that ended on its own",
+    "stop_string_is_an_engine_abort": "the run never shows a request ended by a stop string",
+    "aborted_output_dropped": "the run never shows a client-aborted request the engine sampled past",
+}
+
+
+def _served_run():
+    return load_run(verify.recorded_run(PIN, verify.SERVE))
+
+
+def test_every_serve_check_is_a_proof_and_fails_on_an_offline_run():
+    """An offline run (golden `single`: one request, no server, no abort) has none of the cases: each serving check
+    fails naming the event it needed, and holds on the kept serve run."""
+    table = verify.proofs_for_pin(PIN)
+    assert {p.check for p in table.values() if p.scenario == verify.SERVE} == set(SERVE_MISSING)
+    for check, missing in SERVE_MISSING.items():
+        with pytest.raises(proofs.ClaimFailed, match=re.escape(missing)):
+            verify.CHECKS[check](load_run("single"))
+        assert verify.CHECKS[check](_served_run())
+
+
+def _first(run, **kw):
+    return next(r for r in run.server_requests if all(getattr(r, k) == v for k, v in kw.items()))
+
+
+def _drop_abort_of(run, req_id):
+    for s in run.steps:
+        s.aborts = [a for a in s.aborts if a.req_id != req_id]
+
+
+SERVE_MUTATIONS = {  # each contradicts, in a copy of the kept serve run, what one check proves
+    "n_children_named_after_parent": lambda run: setattr(_first(run, index=1, n=2), "req_id", "1_someone-else"),
+    "client_close_is_an_engine_abort": lambda run: _drop_abort_of(run, _first(run, finish_reason="abort").req_id),
+    "aborted_blocks_freed_next_step": lambda run: [s.kv.freed.clear() for s in run.steps if s.kv],
+    "front_end_tokens_are_engine_tokens": lambda run: _first(run, finish_reason="length").token_ids.append(7),
+    "stop_string_is_an_engine_abort": lambda run: _drop_abort_of(
+        run, next(r for r in run.server_requests if isinstance(r.stop_reason, str)).req_id),
+    "aborted_output_dropped": lambda run: _first(run, finish_reason="abort").token_ids.insert(0, -1),
+}
+
+
+@pytest.mark.parametrize("check", sorted(SERVE_MUTATIONS))
+def test_a_serve_check_fails_when_the_served_run_contradicts_it(check):
+    run = _served_run()
+    SERVE_MUTATIONS[check](run)
+    with pytest.raises(proofs.ClaimFailed):
+        verify.CHECKS[check](run)
+
+
+def test_verify_run_checks_the_serve_claims_on_a_serve_run(cli):
+    served = verify.recorded_run(PIN, verify.SERVE)
+    r = cli("annotations", "verify", "--run", served, "--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    report = json.loads(r.stdout)
+    assert report["failed"] == 0 and {c["note"] for c in report["claims"]} == {
+        n for n, p in verify.proofs_for_pin(PIN).items() if p.scenario == verify.SERVE}
+    offline = cli("annotations", "verify", "--run", verify.recorded_run(PIN, "cmp_evict"))
+    assert offline.returncode == 2 and "is not a `vllm-tour serve` run" in offline.stderr, offline.stderr
+    other = cli("annotations", "verify", "--run", served, "--note", "pool-free-order")
+    assert other.returncode == 2 and "none of the selected notes" in other.stderr, other.stderr
+    both = cli("annotations", "verify", "--run", served, "--recorded")
+    assert both.returncode == 2 and both.stderr.count("\n") == 1, both.stderr
+
+
+def test_serve_claims_stay_on_the_pin_the_serve_run_was_recorded_on():
+    """The server probes are v0.32.0's: another release is held to no serve claim (it has no serve run)."""
+    for pin in ("v0.31.0", "v0.21.0"):
+        assert not [n for n, p in verify.proofs_for_pin(pin).items() if p.scenario == verify.SERVE], pin
+
+
+def test_show_links_a_served_abort_to_the_serving_notes(cli):
+    run = _served_run()
+    step = next(s.index for s in run.steps if s.aborts)
+    r = cli("show", verify.recorded_run(PIN, verify.SERVE), "--step", step)
+    assert r.returncode == 0, r.stderr
+    out = " ".join(r.stdout.split())
+    assert "Abort (a client gone, a stop string) → notes: serve-abort-frees-blocks (EngineCore.abort_requests)" in out

@@ -336,3 +336,28 @@ def test_server_arguments_are_redacted_by_name_not_by_the_word_token():
     argv = ["--max-num-batched-tokens", "32", "--api-key", "s3cret", "--hf-token=hf_x", "--max-num-seqs", "4"]
     assert redact(argv) == ["--max-num-batched-tokens", "32", "--api-key", "<redacted>", "--hf-token=<redacted>",
                             "--max-num-seqs", "4"]
+
+
+def test_the_serving_notes_claims_hold_on_the_served_run(served):
+    """The serving-path notes' claims (annotations/proofs/v0.32.0.toml, `scenario = "serve"`) checked on the run
+    this module's server leaves: n = 2 children, the closed stream's abort and freed blocks, tokens unchanged
+    front to back, the stop string an abort in the engine. VLLM_TOUR_RECORD_SERVE=1 keeps the run (small, no
+    tensors) as the serve run `annotations verify` and the site use (traces/golden/proofs/v0.32.0/serve)."""
+    from vllm_tour.engine.golden import write_golden
+    from vllm_tour.notes import verify
+
+    table = verify.proofs_for_pin("v0.32.0")
+    serve = [n for n, p in table.items() if p.scenario == verify.SERVE]
+    assert len(serve) >= 6
+    verdicts = verify.check_claims(served.run, verify.SERVE, serve, table)
+    assert all(v.holds for v in verdicts), [(v.note, v.step, v.evidence) for v in verdicts if not v.holds]
+    by_note = {v.note: v.evidence for v in verdicts}
+    kids = sorted((r for r in served.run.server_requests if r.api_id == served.n2.id), key=lambda r: r.index)
+    assert f"{served.n2.id} (n = 2): engine requests {kids[0].req_id}" in by_note["serve-add-request-fanout"]
+    assert f"{served.aborted_id}: the client saw abort" in by_note["serve-generate-abort"]
+    assert f"{served.stopped.id}: the client saw stop on {served.stop!r}" in by_note["serve-stop-string-abort"]
+    for v in verdicts:
+        print(f"{v.note}: {v.evidence}")
+    if os.environ.get("VLLM_TOUR_RECORD_SERVE") == "1":
+        dest = write_golden(served.run, verify.recorded_run("v0.32.0", verify.SERVE), drop_capture_records=True)
+        print(f"kept {dest} ({sum(f.stat().st_size for f in dest.iterdir()) // 1024} KiB)")

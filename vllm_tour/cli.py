@@ -261,6 +261,8 @@ def annotations_verify(
                         "traces/golden/proofs/PIN/ (the runs the site links and CI re-checks)."),
     recorded: bool = flag("--recorded", help="Check the claims on the runs kept under traces/golden/proofs/PIN/ "
                           "instead of running the engine: for a pin that cannot run here (v0.21.0: CUDA)."),
+    run: Optional[str] = typer.Option(None, "--run", help="Check the serving-path claims (proven on a serve run) on "
+                                      "this `vllm-tour serve` run, a directory or a name `show` takes (latest)."),
 ):
     """Prove notes' claims on live upstream runs: each note's check over its scenario's trace (exit 1 if one fails).
 
@@ -270,13 +272,15 @@ def annotations_verify(
     """
     if record and recorded:
         raise TourError("--record keeps live runs; --recorded checks kept ones: give one of them")
-    if not recorded:
+    if run is not None and (record or recorded):
+        raise TourError("--run checks one serve run; --record and --recorded are for the scenario runs")
+    if not recorded and run is None:
         _run_in_pin_env(pin)
     from vllm_tour.engine.trace_command import quiet_vllm
     from vllm_tour.notes.verify import verify
 
     quiet_vllm(False)  # as `compare`: vLLM's INFO lines would bury the table
-    raise typer.Exit(verify(console, pin, note, as_json, proofs, record, recorded))
+    raise typer.Exit(verify(console, pin, note, as_json, proofs, record, recorded, run))
 
 
 @annotations_app.command("lint")

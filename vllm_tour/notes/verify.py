@@ -13,6 +13,11 @@ file sits apart from the notes, which `annotations` loads from annotations/*.tom
 
 Each scenario runs once on the installed upstream engine (cached by scenario
 content, shared with `compare` and the tests); every claim on it is then checked.
+
+`scenario = "serve"` is no scenario file but a `vllm-tour serve` run a client drove (claims on the serving
+path: the front end's records against the engine's). verify cannot drive a server: it checks those claims on
+the serve run kept under traces/golden/proofs/<pin>/serve (recorded by tests/test_serve.py), or on a run you
+served yourself (`--run RUN`); tests/test_serve.py checks them on the run its own server leaves.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import json
 import os
 import sys
 import tomllib
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -39,6 +44,7 @@ from vllm_tour.paths import ANNOTATIONS_DIR, GOLDEN_DIR, SCENARIOS_DIR
 from vllm_tour.upstream import pins
 
 PROOFS_DIR = ANNOTATIONS_DIR / "proofs"
+SERVE = "serve"  # the "scenario" of claims checked on a `vllm-tour serve` run, not a file in SCENARIOS_DIR
 CHECKS = {name: fn for mod in proofs.MODULES for name, fn in vars(mod).items()
           if inspect.isfunction(fn) and fn.__module__ == mod.__name__ and not name.startswith("_")}
 
@@ -95,7 +101,7 @@ def load_proofs(path: Path, claims: bool = True) -> dict[str, Proof]:
             raise TourError(f"{where}: {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
         if note_id not in notes:
             raise TourError(f"{where}: no note with id '{note_id}' in {ANNOTATIONS_DIR}")
-        if not (SCENARIOS_DIR / f"{proof.scenario}.toml").is_file():
+        if proof.scenario != SERVE and not (SCENARIOS_DIR / f"{proof.scenario}.toml").is_file():
             raise TourError(f"{where}: no scenario '{proof.scenario}' in {SCENARIOS_DIR}")
         if proof.check not in CHECKS:
             raise TourError(f"{where}: no check '{proof.check}' in {proofs.__name__}")
@@ -117,7 +123,9 @@ def proofs_for_pin(pin: str) -> dict[str, Proof]:
         return own
     base = load_proofs(PROOFS_DIR / f"{default}.toml")
     notes = {n.id: n for n in all_notes(load_all())}
-    table = {i: p for i, p in base.items() if pin not in notes[i].variant and pin not in notes[i].not_on}
+    # Serve runs are recorded on the default pin only (the server probes are its own): no serve claim elsewhere.
+    table = {i: p for i, p in base.items()
+             if pin not in notes[i].variant and pin not in notes[i].not_on and p.scenario != SERVE}
     for note_id, proof in own.items():
         if proof.claim is None:
             if note_id not in base:
@@ -176,9 +184,23 @@ def check_claims(run, name: str, note_ids: list[str], selected: dict[str, Proof]
     return verdicts
 
 
+def serve_verdicts(run_path: str | Path, selected: dict[str, Proof]) -> list[Verdict]:
+    """The selected serve claims checked on one `vllm-tour serve` run (a directory, or a name `show` takes)."""
+    from vllm_tour.trace.reader import load_run
+
+    note_ids = [n for n, p in selected.items() if p.scenario == SERVE]
+    if not note_ids:
+        raise TourError("--run checks claims proven on a serve run, and none of the selected notes has one")
+    run = load_run(run_path)
+    if (run.meta.engine_args or {}).get("mode") != "serve":
+        raise TourError(f"{run.path} is not a `vllm-tour serve` run: --run checks the serving-path claims on one")
+    return check_claims(run, SERVE, note_ids, selected)
+
+
 def run_proofs(selected: dict[str, Proof], progress: Console, record_pin: str | None = None) -> list[Verdict]:
     """Each scenario's upstream run (cached), its claims checked; with record_pin, a run whose claims all hold is
-    kept, small and without tensors, as recorded_run(record_pin, scenario)."""
+    kept, small and without tensors, as recorded_run(record_pin, scenario). Serve claims are not here (verify
+    checks them on the kept serve run)."""
     from vllm_tour.compare.upstream import upstream_run_for
     from vllm_tour.engine.golden import write_golden
     from vllm_tour.scenario import load_scenario
@@ -211,12 +233,12 @@ def _stdout_to_stderr():
 
 
 def verify(console: Console, pin: str | None, note_ids: list[str], as_json: bool, proofs_path: Path | None,
-           record: bool = False, recorded: bool = False) -> int:
+           record: bool = False, recorded: bool = False, run: str | Path | None = None) -> int:
     """Exit code: 0 every claim holds, 1 some claim fails. record: keep each verified run (recorded_run);
     recorded: check the claims on the runs kept for the pin instead of running its engine (a pin that cannot run
-    here: v0.21.0's CUDA engine)."""
+    here: v0.21.0's CUDA engine); run: check the serve claims on that `vllm-tour serve` run, nothing else."""
     pin = pin or pins.active_pin_tag()
-    if not recorded:
+    if not recorded and run is None:
         check_pin_installed(pin)
     table = load_proofs(proofs_path) if proofs_path else proofs_for_pin(pin)
     path = proofs_path or PROOFS_DIR / f"{pin}.toml"
@@ -225,19 +247,27 @@ def verify(console: Console, pin: str | None, note_ids: list[str], as_json: bool
         raise TourError(f"no proof for note(s) {', '.join(unknown)} in {path}")
     selected = {n: table[n] for n in (note_ids or table)}
     record_pin = pin if record else None
-    if recorded:
+    served = {n: p for n, p in selected.items() if p.scenario == SERVE}
+    live = {n: p for n, p in selected.items() if p.scenario != SERVE}
+    if run is not None:
+        verdicts = serve_verdicts(run, selected)
+    elif recorded:
         verdicts = recorded_verdicts(pin, selected)
-    elif as_json:
-        with _stdout_to_stderr():
-            verdicts = run_proofs(selected, Console(stderr=True), record_pin)
     else:
-        verdicts = run_proofs(selected, console, record_pin)
+        progress = Console(stderr=True) if as_json else console
+        if served:
+            progress.print(f"[dim]{len(served)} serve claims: on the serve run kept in {recorded_run(pin, SERVE)} "
+                           f"(verify drives no server; --run RUN checks a serve run of yours)[/]")
+        with _stdout_to_stderr() if as_json else nullcontext():
+            verdicts = run_proofs(live, progress, record_pin) if live else []
+        verdicts += recorded_verdicts(pin, served) if served else []
     failed = [v for v in verdicts if not v.holds]
     if as_json:
         print(json.dumps({"proven": len(verdicts) - len(failed), "failed": len(failed),
                           "claims": [asdict(v) for v in verdicts]}, indent=2, ensure_ascii=False))
         return 1 if failed else 0
-    runs = f"the runs recorded on {pin}" if recorded else f"live {pin} runs"
+    runs = (f"the serve run {run}" if run is not None else f"the runs recorded on {pin}" if recorded
+            else f"live {pin} runs")
     out = Table(title=f"annotations verify — {len(verdicts) - len(failed)} of {len(verdicts)} claims hold on {runs}")
     for col in ("note", "scenario", "verdict", "evidence (seen) · required"):
         out.add_column(col, overflow="fold")

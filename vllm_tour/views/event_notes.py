@@ -1,5 +1,5 @@
 """Which notes explain a trace event: `show` prints them beside preemptions, prefix hits, evictions,
-chunked prefills and admissions, so a learner goes from what happened to the code that did it.
+chunked prefills, admissions and aborts, so a learner goes from what happened to the code that did it.
 
 The link is the notes' own `concepts` tags (source/concepts.py), read on the run's pin: a note hidden there
 (`not_on`) is not offered, one not checked there is offered with a mark.
@@ -59,6 +59,8 @@ def step_events(step: Step) -> list[Event]:
                 out.append(Event(f"chunk {r.req_id} {part}", f"分块 {r.req_id} {part}", "chunked-prefill", r.req_id))
         for p in s.preempted:
             out.append(Event(f"PREEMPT {p.req_id}", f"抢占 {p.req_id}", "preemption", p.req_id))
+    for a in step.aborts:  # a serve run's: the EngineCore dropped it during this step
+        out.append(Event(f"ABORT {a.req_id}", f"中止 {a.req_id}", "abort", a.req_id))
     if step.kv:
         for h in step.kv.prefix_hits:
             out.append(Event(f"hit {h.req_id}: {h.num_hit_tokens} tokens, blocks {h.block_ids}",
