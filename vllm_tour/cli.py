@@ -480,6 +480,7 @@ def show(
     request: Optional[str] = typer.Option(None, "--request", "-r", help="Follow one request: its steps and block table over time."),
     steps: Optional[str] = typer.Option(None, "--steps", help="Only the step table of steps A-B (e.g. 1000-1100), reading only the records of those steps."),
     seconds: Optional[str] = typer.Option(None, "--time", help="Only the step table of the steps scheduled T0-T1 seconds after the run started (e.g. 60-90.5)."),
+    lang: str = typer.Option("en", "--lang", help="en or zh: the step table, its events, the block grid, the outputs and a request's view in Chinese (--step N's detail stays in the records' field names)."),
 ):
     """Show a recorded run step by step: batch per step, block-table grid, preemptions, finishes.
 
@@ -489,11 +490,13 @@ def show(
     A long run opens fast with --steps or --time: only the segments that hold the window are read.
     """
     from vllm_tour.views.show import load_for_show
+    from vllm_tour.views.explain import check_lang
     from vllm_tour.views.show import show as render
 
     if sum(x is not None for x in (step, request, steps, seconds)) > 1:
         raise TourError("give one of --step, --request, --steps, --time")
-    render(load_for_show(run, steps, seconds), console, step=step, request=request)
+    check_lang(lang)
+    render(load_for_show(run, steps, seconds), console, step=step, request=request, lang=lang)
 
 
 @app.command()

@@ -22,6 +22,40 @@ PROMPT_TEXT_SHOWN = 40  # header: characters of a prompt's text
 PALETTE = ["cyan", "magenta", "green", "yellow", "blue", "red", "bright_cyan", "bright_magenta", "bright_green", "bright_yellow", "bright_blue", "bright_red"]
 
 
+# The words of `show --lang zh`: the step table, its events, the grid, the outputs and a request's view (the
+# glossary's renderings, annotations/glossary/terms.toml). `--step N`'s detail stays English: its lines are the
+# record fields by their names.
+WORDS = {
+    "en": {"steps": "{name} — {n} steps", "window": "{name} — steps {a}-{b} ({n} steps)",
+           "one": "{name} — step {i} of {n}", "step": "step", "wait": "wait", "run": "run", "tokens": "tokens",
+           "batch": "batch  (N new · R resumed · P prefill tokens · D decode)", "kv": "KV free (usable)",
+           "events": "events", "PREEMPT": "PREEMPT", "finish": "finish", "ABORT": "ABORT", "hit": "hit",
+           "evict": "evict", "grid": "block tables after step {i}'s allocation",
+           "grid_caption": "+ new this step · * reused (prefix cache) · color: the block's first owner",
+           "request": "request", "notes": "events in this run, and the notes on the code that makes them:",
+           "outputs": "outputs", "prompt": "prompt", "generated": "generated", "text": "text",
+           "blocks_per_step": "{rid}: blocks per step", "blocks_caption": "+ new · * prefix-cache hit", "blocks": "blocks",
+           "why": "why (vllm-tour explain --request {rid} gives the evidence):",
+           "io": "prompt {p} tokens → {g} generated ({f}): {ids}"},
+    "zh": {"steps": "{name} — 共 {n} 步", "window": "{name} — 第 {a}-{b} 步（{n} 步）",
+           "one": "{name} — 第 {i} 步（共 {n} 步）", "step": "步", "wait": "等待", "run": "运行", "tokens": "token",
+           "batch": "批次（N 新请求 · R 恢复 · P 预填充 token 数 · D 解码）", "kv": "空闲 KV 块（可用）",
+           "events": "事件", "PREEMPT": "抢占", "finish": "结束", "ABORT": "中止", "hit": "命中",
+           "evict": "驱逐", "grid": "第 {i} 步分配之后的块表",
+           "grid_caption": "+ 本步新分配 · * 前缀缓存复用 · 颜色：块的第一个持有者",
+           "request": "请求", "notes": "本次运行中的事件，以及产生它们的代码上的注解：",
+           "outputs": "输出", "prompt": "提示词", "generated": "生成", "text": "文本",
+           "blocks_per_step": "{rid}：每一步的块", "blocks_caption": "+ 新分配 · * 前缀缓存命中", "blocks": "块",
+           "why": "为什么（vllm-tour explain --request {rid} 给出证据）：",
+           "io": "提示词 {p} 个 token → 生成 {g} 个（{f}）：{ids}"},
+}
+LANGS = tuple(WORDS)
+
+
+def word(key: str, lang: str, **params) -> str:
+    return WORDS[lang][key].format(**params)
+
+
 def colors(run: Run) -> dict[str, str]:
     ids = run.request_ids()
     return {rid: PALETTE[i % len(PALETTE)] for i, rid in enumerate(ids)}
@@ -99,42 +133,44 @@ def window_last_steps(run: Run) -> dict[int, list[str]]:
     return out
 
 
-def _events_cell(step: Step, run: Run, finishing: list[str] = ()) -> Text:
+def _events_cell(step: Step, run: Run, finishing: list[str] = (), lang: str = "en") -> Text:
+    w = WORDS[lang]
     t = Text()
     s = step.scheduler
     if s:
         for p in s.preempted:
-            t.append(f"PREEMPT {p.req_id} ", style="bold red")
+            t.append(f"{w['PREEMPT']} {p.req_id} ", style="bold red")
     for f in finishing:
-        t.append(f"finish {f} ", style="bold")
+        t.append(f"{w['finish']} {f} ", style="bold")
     for a in step.aborts:
-        t.append(f"ABORT {a.req_id} ", style="bold magenta")
+        t.append(f"{w['ABORT']} {a.req_id} ", style="bold magenta")
     if step.kv:
         for h in step.kv.prefix_hits:
-            t.append(f"hit {h.req_id}:{h.num_hit_tokens}t ", style="bold green")
+            t.append(f"{w['hit']} {h.req_id}:{h.num_hit_tokens}t ", style="bold green")
         if step.kv.evicted:
-            t.append(f"evict {len(step.kv.evicted)} ", style="yellow")
+            t.append(f"{w['evict']} {len(step.kv.evicted)} ", style="yellow")
     t.append(spec_decode.events(step))
     if step.errors:
         t.append(f"{len(step.errors)} probe error(s)", style="bold red")
     return t
 
 
-def step_table(run: Run, focus: str | None = None, only: Step | None = None) -> Table:
+def step_table(run: Run, focus: str | None = None, only: Step | None = None, lang: str = "en") -> Table:
     """Every step of the run (of its window), or `only` that one (its finishes still judged on the whole run)."""
     col = colors(run)
+    name, n = run.path.name, len(run.steps)
     if only:
-        title = f"{run.path.name} — step {only.index} of {len(run.steps)}"
+        title = word("one", lang, name=name, i=only.index, n=n)
     elif run.window:
-        title = f"{run.path.name} — steps {run.window[0]}-{run.window[1]} ({len(run.steps)} steps)"
+        title = word("window", lang, name=name, a=run.window[0], b=run.window[1], n=n)
     else:
-        title = f"{run.path.name} — {len(run.steps)} steps"
+        title = word("steps", lang, name=name, n=n)
     title = escape(title)
     table = Table(title=title, title_justify="left", expand=False)
     blocks = levels.has(run.meta.level, "blocks")  # no KV column for a run that recorded none
-    columns = [("step", "right"), ("wait", "right"), ("run", "right"), ("tokens", "right"),
-               ("batch  (N new · R resumed · P prefill tokens · D decode)", "left"),
-               *([("KV free (usable)", "right")] if blocks else []), ("events", "left")]
+    w = WORDS[lang]
+    columns = [(w["step"], "right"), (w["wait"], "right"), (w["run"], "right"), (w["tokens"], "right"),
+               (w["batch"], "left"), *([(w["kv"], "right")] if blocks else []), (w["events"], "left")]
     for c, j in columns:
         table.add_column(c, justify=j, overflow="fold")
     finishing = window_last_steps(run) if run.window else last_steps(run)
@@ -149,7 +185,7 @@ def step_table(run: Run, focus: str | None = None, only: Step | None = None) -> 
             f"{sch.tokens_scheduled}/{sch.token_budget}" if sch else "",
             _batch_cell(s, col, focus),
             *([f"{kv.free_blocks}/{kv.num_blocks}" if kv else ""] if blocks else []),
-            _events_cell(s, run, finishing.get(s.index, [])),
+            _events_cell(s, run, finishing.get(s.index, []), lang),
         )
     return table
 
@@ -180,17 +216,17 @@ def block_rows(run: Run, step: Step, only: str | None = None) -> list[tuple[str,
     return rows
 
 
-def block_grid(run: Run, step: Step, only: str | None = None) -> Table:
+def block_grid(run: Run, step: Step, only: str | None = None, lang: str = "en") -> Table:
     """Requests × block slots at the end of the step's allocation."""
     col = colors(run)
     table = Table(
-        title=f"block tables after step {step.index}'s allocation",
-        caption="+ new this step · * reused (prefix cache) · color: the block's first owner",
+        title=word("grid", lang, i=step.index),
+        caption=word("grid_caption", lang),
         title_justify="left",
         caption_justify="left",
         min_width=72,
     )
-    table.add_column("request")
+    table.add_column(word("request", lang))
     rows = block_rows(run, step, only)
     for i in range(max((len(cells) for _, cells in rows), default=0)):
         table.add_column(str(i), justify="right")
@@ -301,12 +337,13 @@ def tp_summary(run: Run) -> Text:
     return t
 
 
-def request_view(run: Run, rid: str) -> Group:
+def request_view(run: Run, rid: str, lang: str = "en") -> Group:
     rid = engine_request(run, rid)  # a served run's API id names its engine request
-    parts = [step_table(run, focus=rid)]
-    t = Table(title=f"{rid}: blocks per step", caption="+ new · * prefix-cache hit", title_justify="left", caption_justify="left", min_width=50)
-    t.add_column("step", justify="right")
-    t.add_column("blocks")
+    parts = [step_table(run, focus=rid, lang=lang)]
+    t = Table(title=word("blocks_per_step", lang, rid=rid), caption=word("blocks_caption", lang), title_justify="left",
+              caption_justify="left", min_width=50)
+    t.add_column(word("step", lang), justify="right")
+    t.add_column(word("blocks", lang))
     for s in run.steps:
         if s.kv and rid in s.kv.block_tables:
             new = set(s.kv.allocated.get(rid, []))
@@ -316,13 +353,14 @@ def request_view(run: Run, rid: str) -> Group:
     parts += missing or [t]
     if spec_decode.has_spec(run):
         parts.append(spec_decode.spec_table(run, request=rid))
-    why = request_summary(run, rid)
+    why = request_summary(run, rid, lang)
     if why:  # the explanation's turns, in short: `vllm-tour explain RUN --request R` has the evidence
-        parts.append(Text("why (vllm-tour explain --request " + rid + " gives the evidence):\n  " + "\n  ".join(why)))
+        parts.append(Text(word("why", lang, rid=rid) + "\n  " + "\n  ".join(why)))
     if run.outputs:
         for o in run.outputs.requests:
             if o.req_id == rid:
-                parts.append(Text(f"prompt {len(o.prompt_token_ids)} tokens → {len(o.token_ids)} generated ({o.finish_reason}): {o.token_ids}\n{o.text!r}"))
+                io = word("io", lang, p=len(o.prompt_token_ids), g=len(o.token_ids), f=o.finish_reason, ids=o.token_ids)
+                parts.append(Text(f"{io}\n{o.text!r}"))
     return Group(*parts)
 
 
@@ -358,10 +396,10 @@ def header(run: Run) -> Text:
     return t
 
 
-def outputs_table(run: Run) -> Table:
-    t = Table(title="outputs", title_justify="left")
+def outputs_table(run: Run, lang: str = "en") -> Table:
+    t = Table(title=word("outputs", lang), title_justify="left")
     for c in ("request", "prompt", "generated", "finish", "text"):
-        t.add_column(c, overflow="fold")
+        t.add_column(word(c, lang), overflow="fold")
     col = colors(run)
     for o in run.outputs.requests if run.outputs else []:
         t.add_row(Text(o.req_id, style=col.get(o.req_id, "")), str(len(o.prompt_token_ids)), str(len(o.token_ids)), o.finish_reason or "", Text(repr(o.text[:60])))
@@ -396,22 +434,22 @@ def load_for_show(run: str, steps: str | None = None, seconds: str | None = None
     return load_run(run)
 
 
-def show(run: Run, console: Console, step: int | None = None, request: str | None = None) -> None:
+def show(run: Run, console: Console, step: int | None = None, request: str | None = None, lang: str = "en") -> None:
     console.print(header(run))
     for w in run.warnings:
         console.print("[yellow]warning:[/] " + escape(w))
     if step is not None:
         console.print(step_detail(run, run.step(step)))
     elif run.window:
-        console.print(step_table(run))
+        console.print(step_table(run, lang=lang))
     elif request is not None:
-        console.print(request_view(run, request))
+        console.print(request_view(run, request, lang))
     else:
-        console.print(step_table(run))
+        console.print(step_table(run, lang=lang))
         seen = list(dict.fromkeys(c for s in run.steps for c in step_concepts(s)))
         lines = [line for c in seen if (line := notes_line(c, run.meta.pin))]
         if lines:
-            console.print(Text("events in this run, and the notes on the code that makes them:\n  " + "\n  ".join(lines), style="dim"))
+            console.print(Text(word("notes", lang) + "\n  " + "\n  ".join(lines), style="dim"))
         if spec_decode.has_spec(run):
             console.print(spec_decode.summary(run))
             console.print(spec_decode.spec_table(run))
@@ -422,11 +460,11 @@ def show(run: Run, console: Console, step: int | None = None, request: str | Non
         if run.steps:
             busiest = max(run.steps, key=lambda s: (s.kv.num_blocks - s.kv.free_blocks) if s.kv else -1)
             if busiest.kv:
-                console.print(block_grid(run, busiest))
+                console.print(block_grid(run, busiest, lang=lang))
         experts = expert_view(run)
         if experts is not None:
             console.print(experts)
-        console.print(outputs_table(run))
+        console.print(outputs_table(run, lang))
         if run.server_requests:
             console.print(server_table(run))
     if run.errors:
