@@ -17,7 +17,7 @@ a long one is a prefill, and a prefill longer than the budget is *chunked*.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .kv_cache_manager import KVCacheManager
 from .request import FINISHED_LENGTH, FINISHED_STOPPED, PREEMPTED, RUNNING, WAITING, Request
@@ -59,6 +59,8 @@ class SchedulerOutput:
     budget_left: int = 0
     # Why the waiting loop stopped (for --explain): "budget", "max_num_seqs", "kv", "empty", "preempted".
     admission_stop: str = ""
+    # req_id -> the draft tokens run after its last token this step (speculative decoding: spec_decode.py)
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def num_scheduled_tokens(self) -> dict[str, int]:
@@ -124,8 +126,9 @@ class Scheduler:
                     >= request.num_prompt_tokens + request.max_tokens):
                 i += 1  # async: the step in flight already samples its last token; do not run one more
                 continue
-            # tokens still in flight (async) count as known: the runner takes them from the GPU
-            num_wanted = request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
+            # tokens still in flight (async) count as known: the runner takes them from the GPU;
+            # draft tokens (speculative decoding) are run too, to be verified
+            num_wanted = request.num_tokens_with_spec + request.num_output_placeholders - request.num_computed_tokens
             if 0 < cap < num_wanted:
                 num_wanted = cap  # a long prefill leaves budget to the others
             num_new = self.chunk(num_wanted, token_budget)

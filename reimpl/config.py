@@ -5,7 +5,8 @@ Upstream counterparts (v0.32.0):
   enable_chunked_prefill, scheduler_reserve_full_isl, async_scheduling),
   `vllm.config.CacheConfig` (block_size, num_gpu_blocks, enable_prefix_caching),
   `vllm.config.ModelConfig` (max_model_len, dtype) and
-  `vllm.config.CompilationConfig` (cudagraph_capture_sizes)
+  `vllm.config.CompilationConfig` (cudagraph_capture_sizes),
+  `vllm.config.SpeculativeConfig` (method ngram: num_speculative_tokens, prompt_lookup_min/max)
 - `vllm.v1.engine.EngineCoreRequest` (what the front end hands the engine core)
 
 The teaching engine (engine.py) and the fast engine (fast_engine.py) build
@@ -40,6 +41,9 @@ class EngineConfig:
     # Free-queue order of freed blocks (block_pool.FREE_POLICIES): "uncached_to_front"
     # mirrors v0.32.0, "append_all" mirrors v0.21.0. Chosen per pin by the harness.
     free_policy: str = "uncached_to_front"
+    # Upstream's SpeculativeConfig as given, e.g. {"method": "ngram", "num_speculative_tokens": 3,
+    # "prompt_lookup_min": 1, "prompt_lookup_max": 3}; the teaching engine runs ngram (spec_decode.py). None: off
+    speculative_config: dict | None = None
     dtype: str = "float32"  # or "bfloat16": of the model the teaching engine loads (see qwen3_numerics.py)
     # Round the softmax weights to bf16 before P·V, as upstream's AMX CPU kernel does
     # (paged_attn.paged_attention). Chosen by the harness from the ISA upstream recorded.

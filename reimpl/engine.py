@@ -6,6 +6,9 @@ Upstream counterparts (v0.32.0):
   batch: input ids, positions, query_start_loc, seq_lens, slot mapping,
   logits indices), as used by `vllm.v1.worker.cpu_model_runner.CPUModelRunner`;
   the batch's row order is upstream's persistent batch order (input_batch.py)
+- with a speculative_config: `GPUModelRunner.propose_draft_token_ids` and
+  `EngineCore.post_step` (drafts proposed after the step, handed to the scheduler);
+  spec_decode.py has the proposer, the verification and the scheduler's part
 
 A Qwen3-MoE checkpoint runs as moe.Qwen3MoE, its MoE blocks through the `moe` component
 (moe.moe_block; ep.expert_parallel_moe splits the experts over simulated ranks); each step then
@@ -38,6 +41,7 @@ from .paged_attn import BatchMeta
 from .qwen3 import Qwen3
 from .request import Request
 from .sampler import Sampler
+from .spec_decode import NgramProposer, SpecDecodeScheduler, verify_greedy
 
 
 @dataclass
@@ -70,6 +74,13 @@ class Engine:
         )
         self.caches = self.model.new_kv_caches(cfg.num_blocks, cfg.block_size)
         self.sampler = Sampler()
+        self.proposer = None
+        if cfg.speculative_config:
+            spec = cfg.speculative_config
+            if spec.get("method") != "ngram" or not isinstance(self.scheduler, SpecDecodeScheduler):
+                raise ValueError("speculative decoding here is ngram, with spec_decode.SpecDecodeScheduler")
+            self.proposer = NgramProposer(spec["num_speculative_tokens"], spec["prompt_lookup_min"],
+                                          spec["prompt_lookup_max"], cfg.max_model_len)
         self.proc = {"role": "reimpl", "pid": os.getpid(), "rank": 0}
         # req_id -> tokens to use instead of sampling (compare forces upstream's
         # tokens for randomly sampled requests; see sampler.py)
@@ -128,17 +139,37 @@ class Engine:
                    self._kv_record(out, freed, evicted)]
         res = StepResult(out, records, {}, self.snapshot(out))
         self.current_step = res  # what is known of this step so far, should the model run fail
-        sampled: dict[str, int] = {}
+        sampled: dict[str, list[int]] = {}
         self.where = (n, "batch order")
         rows = self.input_batch.update(out.scheduled)  # upstream updates its batch on empty steps too
         if out.scheduled:
             runner, sampled, res.tensors = self._execute(out, rows, capture)
             records.append(runner)
             records += self._moe_records(out.step)
-        self.where = (n, "update_from_output")
-        self.scheduler.update_from_output(out, sampled)
+        if isinstance(self.scheduler, SpecDecodeScheduler):
+            records += self._speculate(out, rows, sampled)
+        else:  # the plain scheduler takes the one token each request sampled
+            self.where = (n, "update_from_output")
+            self.scheduler.update_from_output(out, {rid: tokens[0] for rid, tokens in sampled.items()})
         self.steps_done = n
         return res
+
+    def _speculate(self, out: SchedulerOutput, rows: list[str], sampled: dict[str, list[int]]) -> list[dict]:
+        """update_from_output with drafts: propose the next drafts (on the runner's tokens, before the
+        scheduler's stop checks, as upstream's runner does), verify this step's, hand the scheduler the next."""
+        n = out.step
+        self.where = (n, "propose drafts")
+        reqs = self.scheduler.requests
+        proposed = self.proposer.propose({rid: reqs[rid].all_token_ids + sampled[rid] if rid in sampled else None
+                                          for rid in rows}) if self.proposer else {}
+        records = [self._spec_verify_record(out, sampled)] if out.scheduled_spec_decode_tokens else []
+        self.where = (n, "update_from_output")
+        self.scheduler.update_from_output(out, sampled)
+        if self.proposer and out.scheduled:
+            dropped = self.scheduler.update_draft_token_ids(proposed)
+            records.append({"kind": "spec_proposal", "step": n, "proc": self.proc, "proposer": "ngram",
+                            "proposed": proposed, "ignored": dropped})
+        return records
 
     def snapshot(self, out: SchedulerOutput) -> dict:
         """The scheduler's and pool's state right after schedule(): what --explain prints."""
@@ -161,52 +192,57 @@ class Engine:
 
     # --- the model runner --------------------------------------------------------------
 
-    def prepare_inputs(self, batch: list):
-        """Flatten the scheduled requests (`Scheduled`s in batch order) into one batch (upstream _prepare_inputs)."""
+    def prepare_inputs(self, batch: list, drafts: dict[str, list[int]]):
+        """Flatten the scheduled requests (`Scheduled`s in batch order, each request's drafts after its known
+        tokens) into one batch (upstream _prepare_inputs)."""
         input_ids, positions, qsl, seq_lens, tables, slots, logits_idx = [], [], [0], [], [], [], []
         for s in batch:
             req = self.scheduler.requests[s.req_id]
             start = s.num_computed_tokens  # first position computed this step
             pos = list(range(start, start + s.num_tokens))
             table = self.kv.block_ids(s.req_id)
-            input_ids += req.all_token_ids[start : start + s.num_tokens]
+            input_ids += (req.all_token_ids + drafts.get(s.req_id, []))[start : start + s.num_tokens]
             positions += pos
             slots += paged_attn.slot_mapping(table, pos, self.cfg.block_size)
             tables.append(table)
             seq_lens.append(start + s.num_tokens)
             qsl.append(qsl[-1] + s.num_tokens)
             # last token of each request, also of a prefill chunk that samples nothing: upstream
-            # computes logits for every row (query_start_loc[1:] - 1) and drops the chunks' tokens later
-            logits_idx.append(qsl[-1] - 1)
+            # computes logits for every row (query_start_loc[1:] - 1) and drops the chunks' tokens later;
+            # with drafts, the rows of the last known token and of each draft (what the model would say there)
+            logits_idx += range(qsl[-1] - 1 - len(drafts.get(s.req_id, [])), qsl[-1])
         return input_ids, positions, BatchMeta(qsl, seq_lens, tables, slots), logits_idx
 
     def _execute(self, out: SchedulerOutput, rows: list[str], capture: tuple[str, ...]):
+        """Run the batch; returns (runner record, req_id -> the tokens it sampled, captured tensors)."""
         step = self.where[0]
         by_id = {s.req_id: s for s in out.scheduled}
         batch = [by_id[rid] for rid in rows]
+        drafts = out.scheduled_spec_decode_tokens
         self.where = (step, "prepare inputs")
-        input_ids, positions, meta, logits_idx = self.prepare_inputs(batch)
+        input_ids, positions, meta, logits_idx = self.prepare_inputs(batch, drafts)
         self.where = (step, "model forward")
         with torch.no_grad():
             hidden = self.model.forward(input_ids, positions, meta, self.caches)
             # upstream's sampler works on fp32 logits (the model's bf16 values, widened)
             logits = self.model.logits(hidden[torch.tensor(logits_idx)]).float()
-        sampled: dict[str, int] = {}
-        for i, s in enumerate(batch):
+        sampled: dict[str, list[int]] = {}
+        row = 0  # this request's first logits row: one per request, and one more per draft
+        for s in batch:
             self.where = (step, f"sample {s.req_id}")
             req = self.scheduler.requests[s.req_id]
+            draft = drafts.get(s.req_id, [])
+            i, row = row, row + 1 + len(draft)
             # Only a request whose whole sequence is now computed gets a token;
             # a prefill chunk that stops short of the prompt end samples nothing.
-            if s.num_computed_tokens + s.num_tokens < req.num_tokens:
+            if s.num_computed_tokens + s.num_tokens - len(draft) < req.num_tokens:
                 continue
             if self.record_topk:
                 self.greedy.setdefault(s.req_id, []).append(int(torch.argmax(logits[i])))
                 self.topk.setdefault(s.req_id, []).append(torch.topk(logits[i], self.record_topk).indices.tolist())
-            forced = self.forced.get(s.req_id)
-            if forced is not None and req.num_output_tokens < len(forced):
-                sampled[s.req_id] = forced[req.num_output_tokens]
-            else:
-                sampled[s.req_id] = self.sampler.sample(s.req_id, logits[i], req.temperature, req.seed)
+            # the token the model gives after the known tokens and the first j drafts, j = 0..len(draft)
+            target = [self._sample(req, logits[i + j], j) for j in range(len(draft) + 1)]
+            sampled[s.req_id] = verify_greedy(draft, target) if draft else target
         self.where = (step, "capture")
         tensors: dict[str, torch.Tensor] = {}
         for name in capture:
@@ -240,9 +276,16 @@ class Engine:
             "seq_lens": meta.seq_lens,
             "slot_mapping": {"full": meta.slot_mapping, "length": len(meta.slot_mapping)},
             "logits_indices": logits_idx,
-            "sampled_token_ids": {k: [v] for k, v in sampled.items()},
+            "sampled_token_ids": dict(sampled),
         }
         return runner, sampled, tensors
+
+    def _sample(self, req: Request, logits: torch.Tensor, ahead: int) -> int:
+        """The token at output position num_output_tokens + ahead: upstream's where compare forces it."""
+        forced = self.forced.get(req.req_id)
+        if forced is not None and req.num_output_tokens + ahead < len(forced):
+            return forced[req.num_output_tokens + ahead]
+        return self.sampler.sample(req.req_id, logits, req.temperature, req.seed)
 
     # --- trace records --------------------------------------------------------------------
 
@@ -284,6 +327,23 @@ class Engine:
                             for rid, (n, ids) in out.prefix_hits.items()],
             "prefix_caching": self.kv.enable_caching,
         }
+
+    def _spec_verify_record(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> dict:
+        """schema.SpecVerifyRecord: read before update_from_output frees a finished request's blocks."""
+        bs, rows = self.cfg.block_size, []
+        by_id = {s.req_id: s for s in out.scheduled}
+        for rid, drafts in out.scheduled_spec_decode_tokens.items():
+            if not sampled.get(rid):
+                continue
+            before, accepted, blocks = by_id[rid].num_computed_tokens, len(sampled[rid]) - 1, self.kv.block_ids(rid)
+            last = before + accepted + 1  # the model's own token: the sequence's last position now
+            rows.append({"req_id": rid, "num_computed_tokens": before, "draft_token_ids": drafts,
+                         "num_accepted": accepted, "sampled_token_ids": sampled[rid],
+                         "rejected_slots": [blocks[p // bs] * bs + p % bs for p in range(last, before + 1 + len(drafts))],
+                         "rejected_only_blocks": blocks[last // bs + 1:]})
+        return {"kind": "spec_verify", "step": out.step, "proc": self.proc,
+                # ngram drafts are token ids only: no KV slots reserved past the scheduled tokens
+                "num_speculative_tokens": self.proposer.k, "num_lookahead_tokens": 0, "requests": rows}
 
     def _moe_records(self, step: int) -> list[dict]:
         """One schema.MoERecord per MoE layer and (simulated) rank, as upstream's probe writes them."""

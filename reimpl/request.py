@@ -2,7 +2,7 @@
 
 Upstream counterpart (v0.32.0): `vllm.v1.request.Request` (fields
 `num_computed_tokens`, `_all_token_ids`, `block_hashes`, `status`,
-`num_preemptions`) and `vllm.v1.request.RequestStatus`.
+`num_preemptions`, `spec_token_ids`, `num_tokens_with_spec`) and `vllm.v1.request.RequestStatus`.
 """
 
 from __future__ import annotations
@@ -38,6 +38,9 @@ class Request:
     # Async scheduling only (reimpl/async_scheduler.py): tokens scheduled to be sampled by steps whose
     # results have not come back yet. Always 0 with the plain Scheduler.
     num_output_placeholders: int = 0
+    # Speculative decoding only (spec_decode.py): draft tokens proposed after the last step, run through the
+    # model with the request's last token in the next one. Always [] with the plain Scheduler.
+    spec_token_ids: list[int] = field(default_factory=list)
     # Set by the KV-cache manager: recomputes block_hashes as tokens are added.
     block_hasher: Callable[["Request"], list[bytes]] | None = None
 
@@ -54,6 +57,11 @@ class Request:
         # Prompt + generated. A resumed (preempted) request must recompute all
         # of these, which is why the scheduler uses num_tokens, not the prompt.
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        # What the scheduler tries to run: the known tokens and the drafts that extend them.
+        return self.num_tokens + len(self.spec_token_ids)
 
     @property
     def num_output_tokens(self) -> int:

@@ -22,7 +22,8 @@ this process runs. `SimulatedGroup` runs every rank in one process (all-reduce =
 deterministic; compare and the tests use it); `DistributedGroup` runs one rank per process over
 torch.distributed (gloo on CPU, NCCL on GPUs) and computes the same values.
 
-Per decoder layer two all-reduces (o_proj, down_proj), plus the embedding's, plus the logits gather.
+Per decoder layer two all-reduces (o_proj, down_proj), plus the embedding's, plus the logits gather. The MLP
+(`mlp`, its shards `_shard_mlp`) is the one part tp_moe.py replaces: a Qwen3-MoE block with every expert sharded.
 Each rank keeps its own residual stream and final hidden states, and computes its logits shard from them
 (`vllm.model_executor.layers.logits_processor.LogitsProcessor._get_logits` runs on every rank).
 The maths between the collectives is qwen3.py's (qwen3_numerics.py).
@@ -215,18 +216,22 @@ class TPQwen3:
         s = {"model.embed_tokens.weight": vocab_shard(w["model.embed_tokens.weight"], r, world)}
         for i in range(self.num_layers):
             p = f"model.layers.{i}."
-            a, m = p + "self_attn.", p + "mlp."
+            a = p + "self_attn."
             s[a + "qkv_proj.weight"] = qkv_shard(w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"],
                                                  self.num_kv_heads, self.head_dim, r, world)
             s[a + "o_proj.weight"] = row_shard(w[a + "o_proj.weight"], r, world)
             s[a + "q_norm.weight"], s[a + "k_norm.weight"] = w[a + "q_norm.weight"], w[a + "k_norm.weight"]
-            s[m + "gate_up_proj.weight"] = merged_column_shard([w[m + "gate_proj.weight"], w[m + "up_proj.weight"]], r, world)
-            s[m + "down_proj.weight"] = row_shard(w[m + "down_proj.weight"], r, world)
+            s.update(self._shard_mlp(w, p + "mlp.", r, world))
             for norm in ("input_layernorm.weight", "post_attention_layernorm.weight"):
                 s[p + norm] = w[p + norm]
         s["model.norm.weight"] = w["model.norm.weight"]
         s["lm_head.weight"] = vocab_shard(lm_head, r, world)
         return {k: v.contiguous() for k, v in s.items()}
+
+    def _shard_mlp(self, w: dict, m: str, r: int, world: int) -> dict[str, torch.Tensor]:
+        """Rank r's shards of one decoder layer's MLP (m: "model.layers.<i>.mlp.")."""
+        return {m + "gate_up_proj.weight": merged_column_shard([w[m + "gate_proj.weight"], w[m + "up_proj.weight"]], r, world),
+                m + "down_proj.weight": row_shard(w[m + "down_proj.weight"], r, world)}
 
     def new_kv_caches(self, num_blocks: int, block_size: int) -> list[list[PagedKVCache]]:
         """Per layer, per rank of this process: each rank caches only its own KV heads."""
@@ -267,18 +272,24 @@ class TPQwen3:
             reduced = g.all_reduce(partials, p + "self_attn.o_proj")
             xs, hs = zip(*(add_rms_norm(x, y, s[p + "post_attention_layernorm.weight"], self.eps)
                            for x, y, s in zip(xs, reduced, S)))
-            partials = []
-            for r, s, h in zip(ranks, S, hs):
-                gate_up = column_parallel(h, s[p + "mlp.gate_up_proj.weight"])
-                g.keep(r, f"column_out.{p}mlp.gate_up_proj", gate_up)
-                gate, up = gate_up.chunk(2, dim=-1)  # [gate_r | up_r]
-                partials.append(row_parallel(silu_and_mul(gate, up), s[p + "mlp.down_proj.weight"], None, r))
-            reduced = g.all_reduce(partials, p + "mlp.down_proj")
+            reduced = self.mlp(i, hs)
             norm = f"model.layers.{i + 1}.input_layernorm.weight" if i + 1 < self.num_layers else "model.norm.weight"
             xs, hs = zip(*(add_rms_norm(x, y, s[norm], self.eps) for x, y, s in zip(xs, reduced, S)))
         for r, h in zip(ranks, hs):  # no collective: compare checks the ranks agree (tp_diff.final_hidden_disagreements)
             g.recorded[f"rank{r}/final_hidden"] = h.clone()
         return torch.stack(hs, dim=1)
+
+    def mlp(self, i: int, hs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Layer i's MLP on each rank's input, all-reduced: gate_up column-parallel, down_proj row-parallel."""
+        g, m = self.group, f"model.layers.{i}.mlp."
+        partials = []
+        for r, h in zip(g.ranks, hs):
+            s = self.shards[r]
+            gate_up = column_parallel(h, s[m + "gate_up_proj.weight"])
+            g.keep(r, f"column_out.{m}gate_up_proj", gate_up)
+            gate, up = gate_up.chunk(2, dim=-1)  # [gate_r | up_r]
+            partials.append(row_parallel(silu_and_mul(gate, up), s[m + "down_proj.weight"], None, r))
+        return g.all_reduce(partials, m + "down_proj")
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Each rank's logits over its vocab shard, from that rank's own hidden states, gathered and cut to

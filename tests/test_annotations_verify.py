@@ -91,7 +91,7 @@ def test_the_true_claim_on_the_same_run_holds():
 @pytest.mark.parametrize("args, toml, message", [
     (["--note", "no-such-note"], None, "no proof for note(s) no-such-note"),
     (["--pin", "v0.21.0"], None, "pin v0.21.0 is not installed here"),
-    (["--pin", "v9.9.9"], None, "unknown pin v9.9.9"),
+    (["--pin", "v9.9.9"], None, "no pin 'v9.9.9'"),
     ([], '[pool-free-order\nscenario = "cmp_evict"', "not valid TOML"),
     ([], '[no-such-note]\nscenario = "cmp_evict"\ncheck = "owed_tokens"\nclaim.en = "x"\nclaim.zh = "x"\n',
      "no note with id 'no-such-note'"),
@@ -154,15 +154,55 @@ def test_a_check_fails_when_the_trace_contradicts_it(traced, check):
         verify.CHECKS[check](run)
 
 
-def test_every_claim_holds_on_the_recorded_runs_the_site_links():
-    """`verify --record` keeps the runs the claims were proven on (traces/golden/proofs/v0.32.0/, no tensors): the
-    site links each proven note to its run, so the claim must hold on that checked-in run too."""
-    table = verify.load_proofs(verify.PROOFS_DIR / f"{PIN}.toml")
+@pytest.mark.parametrize("pin", ["v0.32.0", "v0.31.0", "v0.21.0"])
+def test_every_claim_holds_on_the_recorded_runs_the_site_links(pin):
+    """`verify --record` keeps the runs the claims were proven on (traces/golden/proofs/PIN/, no tensors): the
+    site links each proven note to its run, so the claim must hold on that checked-in run too. v0.31.0's were
+    recorded in its environment (`verify --pin v0.31.0 --record`), v0.21.0's by the GPU runner on the H200."""
+    table = verify.proofs_for_pin(pin)
+    assert len(table) >= 50
     for name, note_ids in verify._by_scenario(table).items():
-        run = load_run(verify.recorded_run(PIN, name))
-        assert run.meta.pin == PIN and run.finished, name
+        run = load_run(verify.recorded_run(pin, name))
+        assert run.meta.pin == pin and run.finished, name
         failed = [v for v in verify.check_claims(run, name, note_ids, table) if not v.holds]
         assert not failed, [(v.note, v.step, v.evidence) for v in failed]
+
+
+def test_another_release_keeps_the_default_claims_only_where_its_notes_say_the_same():
+    """v0.21.0 is held to v0.32.0's claims on notes with the same text there; notes with their own v0.21.0 text
+    take their claim from annotations/proofs/v0.21.0.toml; notes hidden on v0.21.0 have none."""
+    default, old = verify.proofs_for_pin(PIN), verify.proofs_for_pin("v0.21.0")
+    notes = {n.id: n for n in all_notes(load_all())}
+    for note_id, proof in old.items():
+        if "v0.21.0" in notes[note_id].variant:
+            assert proof.claim != default[note_id].claim, note_id
+        assert "v0.21.0" not in notes[note_id].not_on, note_id
+    assert {"pool-get-new", "pool-free-queue"} <= old.keys() and "pool-free-order" not in old  # not_on v0.21.0
+    assert old["pool-touch"].scenario == "proof_evict_tail" and old["pool-touch"].claim == default["pool-touch"].claim
+
+
+def test_the_free_queue_checks_tell_the_two_releases_apart():
+    """On the same scenario, v0.32.0 hands out hashless freed blocks before never-used ones and v0.21.0 never-used
+    ones first: each release's check holds on its own run and fails on the other's."""
+    runs = {pin: load_run(verify.recorded_run(pin, "cmp_evict")) for pin in ("v0.32.0", "v0.21.0")}
+    checks = {"v0.32.0": verify.CHECKS["hashless_before_fresh_before_cached"],
+              "v0.21.0": verify.CHECKS["fresh_then_freed_in_free_order"]}
+    for pin, check in checks.items():
+        assert check(runs[pin])
+        other = runs["v0.21.0" if pin == "v0.32.0" else "v0.32.0"]
+        with pytest.raises(proofs.ClaimFailed):
+            check(other)
+
+
+def test_recorded_verify_needs_the_kept_run(tmp_path, monkeypatch, cli):
+    from vllm_tour.errors import TourError
+    from rich.console import Console
+
+    monkeypatch.setattr(verify, "recorded_run", lambda pin, scenario: tmp_path / pin / scenario)
+    with pytest.raises(TourError, match="no run of .* recorded on v0.21.0"):
+        verify.verify(Console(), "v0.21.0", [], False, None, recorded=True)
+    r = cli("annotations", "verify", "--pin", "v0.21.0", "--record", "--recorded")
+    assert r.returncode == 2 and r.stderr.strip().endswith("give one of them"), r.stderr
 
 
 def test_record_keeps_only_runs_whose_claims_all_hold(tmp_path, monkeypatch):
@@ -211,3 +251,131 @@ def test_a_check_fails_naming_the_event_its_run_lacks(check, missing):
         assert "r4 waiting since step 1 admitted at step 5" in fn(load_run("proofs/v0.32.0/cmp_concurrent"))
     elif check != "running_in_admission_order":
         assert fn(load_run("chunked_prefill"))
+
+
+# Properties of every step, not events: they hold on any run that records blocks (their requirement is that one
+# does) and are checked at every step of it.
+EVERY_STEP = {"null_block_never_in_tables", "slot_mapping_from_block_table"}
+
+
+def test_every_check_declares_what_its_run_must_show_and_fails_naming_it():
+    """A check's requirements are read from its own code (proofs/requirements.py): each check has at least one, the
+    verify report carries them, and on a run where its case never happens (one request, no pressure: the `single`
+    golden) each check fails on the whole run with one of them -- it cannot pass there by having nothing to check."""
+    from vllm_tour.notes.proofs.requirements import requirements
+
+    run = load_run("single")
+    for name, check in verify.CHECKS.items():
+        needs = requirements(check)
+        assert needs, f"{name} requires nothing of its run"
+        if name in EVERY_STEP:
+            assert check(run)
+            continue
+        with pytest.raises(proofs.ClaimFailed) as e:
+            check(run)
+        assert e.value.step is None and any(e.value.evidence.startswith(n.split("{…}")[0]) for n in needs), \
+            (name, e.value.evidence, needs)
+    v = verify.check_claims(run, "single", ["pool-free-order"], verify.proofs_for_pin(PIN))[0]
+    assert not v.holds and v.requires == requirements(verify.CHECKS["hashless_before_fresh_before_cached"])
+
+
+def test_a_check_goes_red_when_upstreams_rule_is_changed(monkeypatch, tmp_path):
+    """The mutation is upstream's, not the trace's: v0.32.0's free_blocks puts hashless blocks at the head of the
+    free queue through FreeKVCacheBlockQueue.prepend_n; made to append them (the free queue of v0.21.0), a live run
+    of the claim's own scenario must fail the claim, naming what the run showed instead."""
+    from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue
+
+    from vllm_tour.engine.run import run_upstream
+
+    table = verify.proofs_for_pin(PIN)
+    proof = table["pool-free-order"]
+    monkeypatch.setattr(FreeKVCacheBlockQueue, "prepend_n", FreeKVCacheBlockQueue.append_n)
+    run = load_run(run_upstream(load_scenario(SCENARIOS_DIR / f"{proof.scenario}.toml"), run_dir=tmp_path / "mutant",
+                                level="blocks"))
+    v = verify.check_claims(run, proof.scenario, ["pool-free-order"], table)[0]
+    assert not v.holds and v.step is not None and "hashless" in v.evidence, v.evidence
+
+
+# --- the serving path: claims on a `vllm-tour serve` run (tests/test_serve.py checks them on its own server's run)
+
+SERVE_MISSING = {
+    "n_children_named_after_parent": "the run never shows a request with n > 1",
+    "client_close_is_an_engine_abort": "the run never shows a request whose client hung up",
+    "aborted_blocks_freed_next_step": "the run never shows an aborted request holding blocks with a step after its abort",
+    "front_end_tokens_are_engine_tokens": "the run never shows a request that ended on its own",
+    "stop_string_is_an_engine_abort": "the run never shows a request ended by a stop string",
+    "aborted_output_dropped": "the run never shows a client-aborted request the engine sampled past",
+}
+
+
+def _served_run():
+    return load_run(verify.recorded_run(PIN, verify.SERVE))
+
+
+def test_every_serve_check_is_a_proof_and_fails_on_an_offline_run():
+    """An offline run (golden `single`: one request, no server, no abort) has none of the cases: each serving check
+    fails naming the event it needed, and holds on the kept serve run."""
+    table = verify.proofs_for_pin(PIN)
+    assert {p.check for p in table.values() if p.scenario == verify.SERVE} == set(SERVE_MISSING)
+    for check, missing in SERVE_MISSING.items():
+        with pytest.raises(proofs.ClaimFailed, match=re.escape(missing)):
+            verify.CHECKS[check](load_run("single"))
+        assert verify.CHECKS[check](_served_run())
+
+
+def _first(run, **kw):
+    return next(r for r in run.server_requests if all(getattr(r, k) == v for k, v in kw.items()))
+
+
+def _drop_abort_of(run, req_id):
+    for s in run.steps:
+        s.aborts = [a for a in s.aborts if a.req_id != req_id]
+
+
+SERVE_MUTATIONS = {  # each contradicts, in a copy of the kept serve run, what one check proves
+    "n_children_named_after_parent": lambda run: setattr(_first(run, index=1, n=2), "req_id", "1_someone-else"),
+    "client_close_is_an_engine_abort": lambda run: _drop_abort_of(run, _first(run, finish_reason="abort").req_id),
+    "aborted_blocks_freed_next_step": lambda run: [s.kv.freed.clear() for s in run.steps if s.kv],
+    "front_end_tokens_are_engine_tokens": lambda run: _first(run, finish_reason="length").token_ids.append(7),
+    "stop_string_is_an_engine_abort": lambda run: _drop_abort_of(
+        run, next(r for r in run.server_requests if isinstance(r.stop_reason, str)).req_id),
+    "aborted_output_dropped": lambda run: _first(run, finish_reason="abort").token_ids.insert(0, -1),
+}
+
+
+@pytest.mark.parametrize("check", sorted(SERVE_MUTATIONS))
+def test_a_serve_check_fails_when_the_served_run_contradicts_it(check):
+    run = _served_run()
+    SERVE_MUTATIONS[check](run)
+    with pytest.raises(proofs.ClaimFailed):
+        verify.CHECKS[check](run)
+
+
+def test_verify_run_checks_the_serve_claims_on_a_serve_run(cli):
+    served = verify.recorded_run(PIN, verify.SERVE)
+    r = cli("annotations", "verify", "--run", served, "--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    report = json.loads(r.stdout)
+    assert report["failed"] == 0 and {c["note"] for c in report["claims"]} == {
+        n for n, p in verify.proofs_for_pin(PIN).items() if p.scenario == verify.SERVE}
+    offline = cli("annotations", "verify", "--run", verify.recorded_run(PIN, "cmp_evict"))
+    assert offline.returncode == 2 and "is not a `vllm-tour serve` run" in offline.stderr, offline.stderr
+    other = cli("annotations", "verify", "--run", served, "--note", "pool-free-order")
+    assert other.returncode == 2 and "none of the selected notes" in other.stderr, other.stderr
+    both = cli("annotations", "verify", "--run", served, "--recorded")
+    assert both.returncode == 2 and both.stderr.count("\n") == 1, both.stderr
+
+
+def test_serve_claims_stay_on_the_pin_the_serve_run_was_recorded_on():
+    """The server probes are v0.32.0's: another release is held to no serve claim (it has no serve run)."""
+    for pin in ("v0.31.0", "v0.21.0"):
+        assert not [n for n, p in verify.proofs_for_pin(pin).items() if p.scenario == verify.SERVE], pin
+
+
+def test_show_links_a_served_abort_to_the_serving_notes(cli):
+    run = _served_run()
+    step = next(s.index for s in run.steps if s.aborts)
+    r = cli("show", verify.recorded_run(PIN, verify.SERVE), "--step", step)
+    assert r.returncode == 0, r.stderr
+    out = " ".join(r.stdout.split())
+    assert "Abort (a client gone, a stop string) → notes: serve-abort-frees-blocks (EngineCore.abort_requests)" in out

@@ -87,3 +87,45 @@ def test_source_labels_in_chinese(cli):
     assert r.returncode == 0, r.stderr
     assert "条注解 · zh" in r.stdout.splitlines()[0] and "探针: " in r.stdout
     assert not re.search(r"\b(probes|concepts|see): ", r.stdout)
+
+
+def test_lint_flags_a_term_rendered_another_way(tmp_path, monkeypatch):
+    """The glossary gives each term one rendering: "prefill" in a Chinese text, or 空闲队列 for the free block
+    queue, is named with the glossary's word; the right words, code spans and an English gloss pass."""
+    src = (ANNOTATIONS_DIR / "sampler.toml").read_text(encoding="utf-8")
+    ids = re.findall(r'^id = "([^"]+)"', src, re.M)
+    texts = re.findall(r"^zh = '''\n(.*?)'''", src, re.M | re.S)
+    planted = {ids[0]: "一个 prefill 分块被放回空闲队列。", ids[1]: "预填充分块的 `prefill` 和持久批次（persistent batch）。"}
+    for i, zh in enumerate(texts[:2]):
+        src = src.replace(zh, planted[ids[i]] + "\n", 1)
+    (tmp_path / "sampler.toml").write_text(src, encoding="utf-8")
+    code, out = _lint(monkeypatch, tmp_path)
+    lines = out.strip().splitlines()
+    assert code == 1 and lines[-1].startswith("2 problem(s)"), out
+    assert any(l.startswith(f"{ids[0]}: \"prefill\"") and "'prefill' as 预填充" in l for l in lines), out
+    assert any(l.startswith(f"{ids[0]}: \"空闲队列\"") and "as 空闲块队列" in l for l in lines), out
+
+
+def test_glossary_refuses_a_term_that_avoids_another_terms_rendering(tmp_path):
+    from vllm_tour.errors import TourError
+    from vllm_tour.notes.glossary import GLOSSARY_FILE, load_glossary
+
+    bad = GLOSSARY_FILE.read_text(encoding="utf-8").replace('avoid = ["散列"]', 'avoid = ["散列", "块表"]')
+    (tmp_path / "terms.toml").write_text(bad, encoding="utf-8")
+    try:
+        load_glossary(tmp_path / "terms.toml")
+    except TourError as e:
+        assert "'hash' avoids '块表', the rendering of 'block table'" in str(e)
+    else:
+        raise AssertionError("a glossary whose lint would flag a right word was accepted")
+
+
+def test_source_view_glosses_each_terms_first_use():
+    from vllm_tour.notes.glossary import FirstUse
+
+    gloss = FirstUse()
+    first, second = gloss("先做分块预填充，再预填充。"), gloss("预填充之后解码，`decode` 不算。")
+    assert first == "先做分块预填充（chunked prefill），再预填充（prefill）。"
+    assert second == "预填充之后解码（decode），`decode` 不算。"
+    # a parenthesis of the text's own passes the gloss to the next use; the text's own gloss counts as one
+    assert gloss("抢占（FCFS 下从尾部）后再抢占，命中（hit）后命中。") == "抢占（FCFS 下从尾部）后再抢占（preemption），命中（hit）后命中。"

@@ -18,8 +18,10 @@ CMP = ["cmp_single", "cmp_concurrent", "cmp_shared_prefix", "cmp_preempt", "cmp_
 
 # reimpl.triton_attn needs the Triton interpreter from process start on CPU:
 # tests/test_compare_triton.py runs it through the CLI in its own process.
-# reimpl.tp: test_compare_tp.py; reimpl.ep judges MoE routing: test_compare_ep.py runs it on the MoE scenarios.
-IN_PROCESS = [name for name, m in MODULES.items() if not m.triton and m.world_size == 1 and not m.moe_only]
+# reimpl.tp: test_compare_tp.py; reimpl.ep judges MoE routing: test_compare_ep.py runs it on the MoE scenarios;
+# reimpl.spec_decode: test_spec_decode.py (its scenarios, and one of these without drafts).
+IN_PROCESS = [name for name, m in MODULES.items()
+              if not m.triton and m.world_size == 1 and not m.moe_only and not m.speculative]
 
 
 @pytest.mark.parametrize("module", IN_PROCESS)

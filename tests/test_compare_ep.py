@@ -145,6 +145,7 @@ def test_which_modules_take_which_moe_scenarios():
 
     moe_tp2 = load_scenario(SCENARIOS_DIR / "moe_tp2.toml")
     assert "is MoE" in applicable(moe_tp2, "reimpl.tp")  # its TP=2 model is the dense Qwen3
+    assert applicable(moe_tp2, "reimpl.tp_moe") is None  # TP=2 without EP: every expert sharded
     assert "single-device" in applicable(moe_tp2, "reimpl.ep")
     single = load_scenario(SCENARIOS_DIR / "cmp_moe_single.toml")
     assert applicable(single, "reimpl.ep") is None and applicable(single, "reimpl.paged_attn") is None

@@ -117,7 +117,8 @@ def test_data_flow_order_of_names():
             "rank1/tp.column_out.model.layers.0.self_attn.qkv_proj", "kv_blocks.layers.0", "attn_out.layers.0",
             "rank0/tp.all_reduce_in.model.layers.0.self_attn.o_proj", "rank1/tp.all_reduce_in.model.layers.0.self_attn.o_proj",
             "rank0/tp.all_reduce_out.model.layers.0.self_attn.o_proj", "router_logits.layers.0",
-            "moe.layers[0].topk_ids[3]", "moe_partial.layers.0.rank1", "moe_out.layers.0",
+            "moe.layers[0].topk_ids[3]", "rank0/tp.all_reduce_in.model.layers.0.mlp.experts", "moe_partial.layers.0.rank1",
+            "moe_out.layers.0", "rank1/tp.all_reduce_out.model.layers.0.mlp.experts",
             "moe.layers[1].rank[0].expert_map", "rank1/final_hidden", "rank1/tp.all_gather_in.logits",
             "rank0/tp.all_gather_out.logits", "runner.sampled_token_ids[a]", "reimpl.exception"]
     kinds = {"step": "missing", "reimpl.exception": "crash"}

@@ -6,7 +6,6 @@ serves every test here through the compare cache."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -237,25 +236,17 @@ def test_distributed_ranks_equal_the_simulation(tmp_path, backend):
     from vllm_tour.upstream.models import make_tiny_model
 
     sys.path.insert(0, str(Path(__file__).parent))
-    from _tp_batch import run_batch
+    from _tp_batch import run_batch, run_ranks
 
     model_dir = make_tiny_model("tiny-qwen3-tp")
-    worker = Path(__file__).with_name("_tp_dist_worker.py")
-    procs = [subprocess.Popen([sys.executable, str(worker), str(r), "2", str(tmp_path / "init"), str(model_dir), str(tmp_path), backend],
-                              stderr=subprocess.PIPE, text=True) for r in (0, 1)]
-    for p in procs:
-        _, err = p.communicate(timeout=120)
-        assert p.returncode == 0, err[-2000:]
+    ranks = run_ranks(model_dir, tmp_path, backend)
     sim = tp.TPQwen3(model_dir, tp.SimulatedGroup(2))
     run_batch(sim)
-    from safetensors.torch import load_file
-
-    for rank in (0, 1):
-        got = load_file(str(tmp_path / f"rank{rank}.safetensors"))
+    for rank, got in enumerate(ranks):
         want = {k: v for k, v in sim.group.recorded.items() if k.startswith(f"rank{rank}/")}
         assert sorted(got) == sorted(want) and len(got) == 2 * (len(LAYERS) + 1) + len(COLUMNS) + 2  # + final_hidden x2
-        for k in want:
-            assert torch.equal(got[k], want[k]), k
+        for k, t in want.items():
+            assert torch.equal(got[k], t), k
 
 
 def test_show_and_perfetto_put_ranks_side_by_side(upstream_run):

@@ -15,7 +15,8 @@ import pytest
 
 from vllm_tour.errors import TourError
 from vllm_tour.trace.reader import load_run
-from vllm_tour.views.explain import MSG, explain
+from vllm_tour.views.explain import explain
+from vllm_tour.views.explain_messages import MSG
 
 PROOFS = "traces/golden/proofs/v0.32.0/"
 
@@ -309,7 +310,7 @@ def test_every_note_it_cites_exists_and_holds_on_the_pin():
     from vllm_tour.views import explain as module
     from vllm_tour.views.explain import note_marks
 
-    cited = set(re.findall(r'"((?:sched|kvm|pool|fe)-[a-z0-9-]+)"', inspect.getsource(module)))
+    cited = set(re.findall(r'"((?:sched|kvm|pool|fe|core)-[a-z0-9-]+)"', inspect.getsource(module)))
     marks = note_marks("v0.32.0")
     assert cited and {n: marks.get(n, "missing") for n in cited if marks.get(n) != ""} == {}
 
@@ -336,3 +337,116 @@ def test_readme_shows_what_explain_prints():
         found = out.find(e, at)
         assert found >= 0, e
         at = found + len(e)
+
+
+# --- every pin: rules that differ between releases come from the pin profile -------------------------------------
+
+
+def _alloc_at(ex, step):
+    (ln,) = _lines_at(ex, step, "alloc")
+    return ln
+
+
+def test_the_free_queue_rule_is_the_pins_own():
+    """r2 resumes at step 61 on both releases and gets other blocks: v0.21.0 appended every freed block to the free
+    queue, v0.32.0 put hashless ones in front (pins/*.toml free_queue_policy). Each explanation names its own pin's
+    rule, and the records fit that rule and not the other one."""
+    from vllm_tour.views import free_queue
+    from vllm_tour.views.explain import _Explainer
+
+    seen = {}
+    for name, policy in (("preemption", "uncached_to_front"), ("v0.21.0/preemption", "append_all")):
+        run = _run(name)
+        ln = _alloc_at(explain(run, request="r2"), 61)
+        assert ln.cause == f"free_queue_{policy}"
+        assert ln.params["blocks"] == run.step(61).kv.allocated["r2"]
+        assert f"free_queue_policy = {policy}, pins/{run.meta.pin}.toml" in ln.text()
+        assert ("pool-free-order" in ln.notes) == (policy == "uncached_to_front")  # that note is not on v0.21.0
+        other = next(p for p in free_queue.POLICIES if p != policy)
+        ex = _Explainer(run)
+        assert free_queue.rebuild(run, other, ex._cache.hashed)[(61, "r2")].expected != ln.params["blocks"]
+        seen[run.meta.pin] = ln.params["blocks"]
+    assert seen["v0.21.0"] != seen["v0.32.0"]
+    # the eviction both releases record at step 39 cites the notes of each pin's own rule
+    evicted = [next(ln for ln in explain(_run(n), request="r2").lines if ln.cause == "evicted") for n in ("preemption", "v0.21.0/preemption")]
+    assert "pool-free-order" in evicted[0].notes and "pool-free-order" not in evicted[1].notes
+
+
+def test_every_golden_allocation_fits_its_pins_free_queue_rule():
+    """The rebuilt free queue is a model of upstream's: on every golden of both releases each recorded
+    allocation is its head (where one is not, explain says it cannot tell -- this keeps that rare)."""
+    from vllm_tour.paths import REPO_ROOT
+    from vllm_tour.views.explain import _Explainer
+
+    runs = sorted(p.parent for p in (REPO_ROOT / "traces" / "golden").rglob("meta.json"))
+    checked = 0
+    for d in runs:
+        ex = _Explainer(load_run(d))
+        assert ex.free_policy in ("append_all", "uncached_to_front"), d
+        for a in ex.allocs.values():
+            assert a.expected == a.blocks, (d.name, a)
+            checked += 1
+    assert checked > 100
+
+
+def _with_pin(tmp_path, name, pin):
+    dst = tmp_path / "run"
+    shutil.copytree(_run(name).path, dst)
+    meta = json.loads((dst / "meta.json").read_text())
+    meta["pin"] = pin
+    (dst / "meta.json").write_text(json.dumps(meta))
+    return load_run(dst)
+
+
+def test_a_pin_without_the_fact_says_it_does_not_know(tmp_path, monkeypatch):
+    from vllm_tour.paths import REPO_ROOT
+    from vllm_tour.upstream import pins
+
+    # no pin file at all (a run recorded on a pin since removed)
+    ln = _alloc_at(explain(_with_pin(tmp_path / "a", "v0.21.0/preemption", "v0.20.0"), request="r2"), 61)
+    assert ln.cause == "policy_unknown" and "there is no pin file pins/v0.20.0.toml" in ln.text()
+    # a pin file whose profile does not state the policy: the profile's default is not taken for a fact
+    text = (REPO_ROOT / "pins" / "v0.21.0.toml").read_text().replace('tag = "v0.21.0"', 'tag = "v0.20.0"', 1)
+    (tmp_path / "pins").mkdir()
+    (tmp_path / "pins" / "v0.20.0.toml").write_text("\n".join(x for x in text.splitlines() if not x.startswith("free_queue_policy")))
+    monkeypatch.setattr(pins, "PINS_DIR", tmp_path / "pins")
+    pins.pin_profile.cache_clear()
+    try:
+        assert pins.pin_profile("v0.20.0").free_queue_policy == "uncached_to_front"  # the default is there...
+        ex = explain(_with_pin(tmp_path / "b", "v0.21.0/preemption", "v0.20.0"), request="r2")
+    finally:
+        pins.pin_profile.cache_clear()
+    ln = _alloc_at(ex, 61)  # ... and not used
+    assert ln.cause == "policy_unknown" and "pins/v0.20.0.toml [profile] gives no free_queue_policy" in ln.text()
+    evicted = next(ln for ln in ex.lines if ln.cause == "evicted")
+    assert evicted.notes == ["pool-evict-on-reuse"]  # the eviction is recorded; no rule is cited for the order
+
+
+# --- the site's trace pages carry it --------------------------------------------------------------------------------
+
+
+def test_site_trace_page_carries_each_requests_explanation(cli):
+    """Each request of a golden has its turns on the trace page, in both languages, the same sentences `explain
+    --json` gives scripts, each rule linked to its note."""
+    import html
+
+    from vllm_tour.site.traces import trace_page
+
+    run = _run("preemption")
+    _, page = trace_page(run, run.meta.pin, lambda nid: f"../notes.html#note-{nid}")
+    why = page.split('<section id="why">', 1)[1]
+    li = re.compile(r'<li data-cause="([^"]*)"><span class="i18n " lang="en">(.*?)</span><span class="i18n " lang="zh">(.*?)</span>(.*?)</li>')
+    for rid in run.request_ids():
+        items = li.findall(why.split(f'<h3 id="why-{rid}">', 1)[1].split("</ul>", 1)[0])
+        by_lang = {lang: explain(run, request=rid).to_json(lang)["lines"] for lang in ("en", "zh")}
+        if rid == "r2":  # what a script gets from the command itself
+            r = cli("explain", "traces/golden/preemption", "--request", rid, "--json")
+            assert json.loads(r.stdout)["lines"] == by_lang["en"]
+        expected = [i for i, ln in enumerate(by_lang["en"]) if ln["topic"] in ("wait", "preempt", "resume", "cache", "finish", "level")
+                    and ln["cause"] not in ("no_hit", None)]
+        assert [c for c, *_ in items] == [by_lang["en"][i]["cause"] for i in expected], rid
+        for (cause, en, zh, rules), i in zip(items, expected):
+            assert html.unescape(en).endswith(by_lang["en"][i]["text"]) and html.unescape(zh).endswith(by_lang["zh"][i]["text"])
+            for note in by_lang["en"][i]["notes"]:
+                assert f'href="../notes.html#note-{note}"' in rules
+    assert 'data-cause="victim_self"' in why.split('<h3 id="why-r2">')[1]  # r2's preemption is among its turns

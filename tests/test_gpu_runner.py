@@ -177,8 +177,10 @@ def test_max_abs_by_kind_pools_ranks_layers_and_steps():
     got = runner.max_abs_by_kind([t("rank0/tp.all_reduce_out.model.layers.0.mlp.down_proj", 1e-6),
                                   t("rank1/tp.all_reduce_out.model.layers.1.mlp.down_proj", 3e-6, False),
                                   t("rank0/tp.all_reduce_in.model.layers.0.self_attn.o_proj", 2e-6),
-                                  t("rank0/tp.all_gather_out.logits", 5e-5)])
+                                  t("rank0/tp.all_gather_out.logits", 5e-5),
+                                  t("rank0/moe_partial.layers.0", 4e-6), t("rank1/moe_partial.layers.1", 1e-6)])
     assert got == {"all_gather_out.logits": {"max_abs": 5e-5, "n": 1, "out_of_tolerance": 0},
+                   "moe_partial": {"max_abs": 4e-6, "n": 2, "out_of_tolerance": 0},
                    "all_reduce_in.o_proj": {"max_abs": 2e-6, "n": 1, "out_of_tolerance": 0},
                    "all_reduce_out.down_proj": {"max_abs": 3e-6, "n": 2, "out_of_tolerance": 1}}
 

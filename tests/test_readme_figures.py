@@ -15,3 +15,12 @@ def test_readme_note_counts_match_the_annotations():
     actual = (len(notes), sum("v0.32.0" in n.pins for n in notes), sum("v0.21.0" in n.pins for n in notes),
               sum("v0.21.0" in n.variant for n in notes), sum("v0.21.0" in n.not_on for n in notes))
     assert tuple(map(int, m.groups())) == actual
+
+
+def test_readme_glossary_count_matches_the_glossary():
+    from vllm_tour.notes.glossary import load_glossary
+
+    text = " ".join((REPO_ROOT / "README.md").read_text().split())
+    m = re.search(r"`annotations/glossary/terms\.toml`: (\d+) terms", text)
+    assert m, "README's glossary sentence changed shape: update this test with it"
+    assert int(m.group(1)) == len(load_glossary())

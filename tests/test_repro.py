@@ -24,6 +24,14 @@ def test_ep_at_tp2_kills_the_engine_reproduced_and_the_trace_is_kept(tmp_path, c
     assert "engine error: RuntimeError: cancelled" in out
     assert "died unexpectedly" in out  # the executor's own log line, as evidence
     assert "last traced step 1: scheduled [r0:new 2 tok]; no runner record" in out
+    # upstream's own output (the workers' segfault backtraces, vLLM's ERROR lines with their input dumps) is in the
+    # run's upstream.log; the terminal gets one line about it
+    log = (tmp_path / "run" / "upstream.log").read_text()
+    assert "Segfault encountered" in log and "Dumping input data" in log and "died unexpectedly" in log
+    assert "Segfault" not in p.stderr and "Dumping input data" not in out, p.stderr[-3000:]
+    assert len(p.stderr.splitlines()) < 5 and max(map(len, out.splitlines())) < 400, p.stderr[-3000:]
+    logged = [line for line in out.splitlines() if "upstream logged" in line]
+    assert len(logged) == 1 and f"see {tmp_path / 'run' / 'upstream.log'} (first: " in logged[0], out
     run = load_run(tmp_path / "run")  # what was traced before the failure is kept
     assert run.meta.status == "failed" and "cancelled" in run.meta.error
     assert run.meta.engine_args["enable_expert_parallel"] is True and run.meta.engine_args["tensor_parallel_size"] == 2

@@ -3,11 +3,12 @@
 One server per module (it takes ~30 s to start on 2 idle cores, longer on a busy machine): 8 concurrent
 streaming chat completions, a completion with n=2, a stream the client closes after 3 chunks, then a last
 small request (so a step runs after the abort and its freed blocks show in that step's KV record); then
-SIGINT, as Ctrl-C sends it. The tests read the run it leaves.
+a completion cut by a stop string; then SIGINT, as Ctrl-C sends it. The tests read the run it leaves.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import re
@@ -114,6 +115,10 @@ def served(tmp_path_factory):
         stream.close()
         _await_abort(out)
         last = client.completions.create(model=MODEL, prompt="after the abort", max_tokens=2)
+        # A stop string: the front end finds it in the text and has the engine drop the request (an abort there).
+        plain = client.completions.create(model=MODEL, prompt="stop here", max_tokens=12, temperature=0).choices[0].text
+        stop = next(c for c in plain[1:] if c.isalnum())  # greedy: the same text again, cut at this character
+        stopped = client.completions.create(model=MODEL, prompt="stop here", max_tokens=12, temperature=0, stop=[stop])
 
         proc.send_signal(signal.SIGINT)  # what Ctrl-C sends
         _wait_for(q, r"stopped after", seen, 120)
@@ -123,7 +128,7 @@ def served(tmp_path_factory):
             proc.kill()
             proc.wait()
     return SimpleNamespace(out=out, rc=rc, output="".join(seen), chats=chats, n2=n2, aborted_id=got[0].id, last=last,
-                           started_s=started_s, run=load_run(out))
+                           stopped=stopped, stop=stop, started_s=started_s, run=load_run(out))
 
 
 def test_serve_stops_cleanly_and_leaves_a_complete_run(served, cli):
@@ -204,6 +209,95 @@ def test_show_reads_the_served_run(served, cli):
     assert "ABORT" in r.stdout and "server requests" in r.stdout and served.n2.id in r.stdout
 
 
+def test_explain_rebuilds_the_served_queues_from_the_records(served):
+    """Requests arrive whenever clients send them: the waiting queue is rebuilt from the front end's arrival times
+    and the recorded waiting counts, and must match the recorded queue lengths at every step."""
+    from vllm_tour.views.explain import _Explainer
+
+    ex = _Explainer(served.run)
+    assert ex.tl.states and all(st.consistent for st in ex.tl.states.values())
+    first = {}
+    for s in served.run.steps:
+        for x in s.scheduler.scheduled:
+            first.setdefault(x.req_id, s.index)
+    for r in served.run.server_requests:  # each reached the engine by the step that first scheduled it, not after
+        assert ex.tl.arrived[r.req_id] <= first[r.req_id], r.req_id
+    # every admission's new blocks are the head of the free queue rebuilt under the pin's policy
+    assert ex.allocs and all(a.expected == a.blocks for a in ex.allocs.values())
+
+
+def test_explain_tells_the_abort_story_by_api_id(served, cli):
+    r = cli("explain", served.out, "--request", served.aborted_id, "--json")
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    rec = next(x for x in served.run.server_requests if x.api_id == served.aborted_id)
+    assert data["subject"] == f"request {rec.req_id}"  # the API id named its engine request
+    step, a = next((s.index, a) for s in served.run.steps for a in s.aborts if a.req_id == rec.req_id)
+    (ln,) = [x for x in data["lines"] if x["topic"] == "finish"]
+    assert ln["cause"] == "client_closed" and ln["steps"] == [step, step]
+    nxt = next(s.index for s in served.run.steps if s.index > step and s.kv)
+    assert f"{a.freed_block_ids} went back to the free list (step {nxt}'s kv.freed)" in ln["text"]
+    assert f"while {a.status_before}" in ln["text"] and "When the client hung up is not recorded" in ln["text"]
+    # the step view tells it too, under the request's engine id
+    at = json.loads(cli("explain", served.out, "--step", step, "--json").stdout)
+    assert [(x["request"], x["cause"]) for x in at["lines"] if x["topic"] == "finish" and x["cause"] is not None] == \
+        [(rec.req_id, "client_closed")]
+
+
+def test_explain_says_a_stop_string_ended_it(served):
+    """The engine does not look for stop strings: the front end finds one and has the engine drop the request --
+    an abort in the engine's records, a stop for the client. explain tells the two apart."""
+    from vllm_tour.views.explain import explain
+
+    assert served.stopped.choices[0].finish_reason == "stop"
+    (ln,) = [x for x in explain(served.run, request=served.stopped.id).lines if x.topic == "finish"]
+    assert ln.cause == "stop_string" and f"found a stop string {served.stop!r}" in ln.text()
+    rec = next(r for r in served.run.server_requests if r.api_id == served.stopped.id)
+    assert rec.stop_reason == served.stop and any(a.req_id == rec.req_id for s in served.run.steps for a in s.aborts)
+
+
+def test_explain_is_silent_where_served_arrivals_do_not_fit(served, tmp_path):
+    """A waiting count the front end's arrivals cannot make (more newcomers than requests made by then): the
+    arrival step of those requests, and the queues at that step, are not established, and explain says so."""
+    import shutil
+
+    from vllm_tour.views.explain import _Explainer, explain
+
+    step = next(s for s in served.run.steps if s.scheduler.waiting_before > 0)
+    run_dir = tmp_path / "run"
+    shutil.copytree(served.out, run_dir)
+    for f in run_dir.glob("records.*.jsonl"):
+        lines = [json.loads(x) for x in f.read_text().splitlines()]
+        for rec in lines:
+            if rec["kind"] == "scheduler" and rec["step"] == step.index:
+                rec["waiting_before"] = len(served.run.server_requests) + 1
+        f.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    run = load_run(run_dir)
+    states = _Explainer(run).tl.states
+    assert not any(st.consistent for n, st in states.items() if n >= step.index)  # lost from there on, never guessed
+    first = {}
+    for s in served.run.steps:
+        for x in s.scheduler.scheduled:
+            first.setdefault(x.req_id, s.index)
+    later = [rid for rid, n in first.items() if n >= step.index]
+    assert later
+    for rid in later:
+        (ln,) = [x for x in explain(run, request=rid).lines if x.topic == "arrival" and x.cause in ("api", "unknown")]
+        assert ln.cause == "unknown" and "is not established" in ln.text(), rid
+
+
+def test_explain_names_an_n2_childs_parent(served, cli):
+    kids = sorted((x for x in served.run.server_requests if x.api_id == served.n2.id), key=lambda x: x.index)
+    r = cli("explain", served.out, "--request", kids[1].req_id, "--json")
+    assert r.returncode == 0, r.stderr
+    (ln,) = [x for x in json.loads(r.stdout)["lines"] if x["cause"] == "n_child"]
+    assert f"n = 2 choices the client asked for in {served.n2.id} (index 1)" in ln["text"]
+    assert kids[1].parent_id in ln["text"] and kids[0].req_id in ln["text"]
+    both = cli("explain", served.out, "--request", served.n2.id)  # the API id of two engine requests: name one
+    assert both.returncode == 2 and both.stderr.strip().count("\n") == 0
+    assert f"{kids[0].req_id}, {kids[1].req_id}" in both.stderr
+
+
 def test_serve_refuses_a_port_in_use_and_leaves_no_run_dir(cli, tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -242,3 +336,28 @@ def test_server_arguments_are_redacted_by_name_not_by_the_word_token():
     argv = ["--max-num-batched-tokens", "32", "--api-key", "s3cret", "--hf-token=hf_x", "--max-num-seqs", "4"]
     assert redact(argv) == ["--max-num-batched-tokens", "32", "--api-key", "<redacted>", "--hf-token=<redacted>",
                             "--max-num-seqs", "4"]
+
+
+def test_the_serving_notes_claims_hold_on_the_served_run(served):
+    """The serving-path notes' claims (annotations/proofs/v0.32.0.toml, `scenario = "serve"`) checked on the run
+    this module's server leaves: n = 2 children, the closed stream's abort and freed blocks, tokens unchanged
+    front to back, the stop string an abort in the engine. VLLM_TOUR_RECORD_SERVE=1 keeps the run (small, no
+    tensors) as the serve run `annotations verify` and the site use (traces/golden/proofs/v0.32.0/serve)."""
+    from vllm_tour.engine.golden import write_golden
+    from vllm_tour.notes import verify
+
+    table = verify.proofs_for_pin("v0.32.0")
+    serve = [n for n, p in table.items() if p.scenario == verify.SERVE]
+    assert len(serve) >= 6
+    verdicts = verify.check_claims(served.run, verify.SERVE, serve, table)
+    assert all(v.holds for v in verdicts), [(v.note, v.step, v.evidence) for v in verdicts if not v.holds]
+    by_note = {v.note: v.evidence for v in verdicts}
+    kids = sorted((r for r in served.run.server_requests if r.api_id == served.n2.id), key=lambda r: r.index)
+    assert f"{served.n2.id} (n = 2): engine requests {kids[0].req_id}" in by_note["serve-add-request-fanout"]
+    assert f"{served.aborted_id}: the client saw abort" in by_note["serve-generate-abort"]
+    assert f"{served.stopped.id}: the client saw stop on {served.stop!r}" in by_note["serve-stop-string-abort"]
+    for v in verdicts:
+        print(f"{v.note}: {v.evidence}")
+    if os.environ.get("VLLM_TOUR_RECORD_SERVE") == "1":
+        dest = write_golden(served.run, verify.recorded_run("v0.32.0", verify.SERVE), drop_capture_records=True)
+        print(f"kept {dest} ({sum(f.stat().st_size for f in dest.iterdir()) // 1024} KiB)")

@@ -7,6 +7,7 @@ Screenshots go to test-artifacts/.
 """
 
 import base64
+import re
 import fcntl
 import json
 import os
@@ -271,16 +272,35 @@ def test_golden_traces_step_by_step_link_events_to_notes(site, browser):
     browser.goto((site / "index.html").as_uri())
     traces = browser.js("[...document.querySelectorAll('#traces ~ ul a')].map(a => a.textContent)")
     assert {"preemption", "shared_prefix", "chunked_prefill"} <= set(traces)
-    browser.goto((site / "trace" / "preemption.html").as_uri())
+    browser.goto((site / "trace" / "preemption.html").as_uri() + "?lang=en")
     ev = browser.js("""(() => {
-        const e = [...document.querySelectorAll('.ev-preemption')][0];
+        const e = [...document.querySelectorAll('tr .ev-preemption')][0];
         const a = e.nextElementSibling;
-        return {text: e.textContent, step: e.closest('tr').id, href: a.href};
+        return {text: e.innerText, step: e.closest('tr').id, href: a.href};
     })()""")
     run = load_run(GOLDEN_DIR / "preemption")
     first = next(s for s in run.steps if s.scheduler.preempted)
-    assert ev["text"] == f"PREEMPT {first.scheduler.preempted[0].req_id}" and ev["step"] == f"step-{first.index}"
+    victim = first.scheduler.preempted[0].req_id
+    assert ev["text"] == f"PREEMPT {victim}" and ev["step"] == f"step-{first.index}"
     browser.screenshot(ARTIFACTS / "site-trace-preemption.png")
+    # In Chinese: the jump link at the top lands on the step, whose block tables open on a click
+    browser.click("#lang-zh")
+    browser.click(f'ul.jumps a[href="#step-{first.index}"]')
+    zh = browser.js(f"""(() => {{
+        const row = document.getElementById('step-{first.index}');
+        return {{hash: location.hash, event: row.querySelector('.ev-preemption').innerText,
+                 folded: [...document.querySelectorAll('details.steps > summary')].filter({VISIBLE})
+                          .map(s => s.innerText)}};
+    }})()""")
+    assert zh["hash"] == f"#step-{first.index}" and zh["event"] == f"抢占 {victim}", zh
+    assert zh["folded"] and all(t.startswith("第 ") for t in zh["folded"]), zh
+    browser.click(f"#step-{first.index} details.blocks > summary")
+    grid = browser.js(f"""[...document.querySelectorAll('#step-{first.index} table.grid tr')]
+        .filter({VISIBLE}).map(r => [r.querySelector('th').innerText,
+                                     [...r.querySelectorAll('td')].map(td => parseInt(td.innerText))])""")
+    assert dict(grid) == first.kv.block_tables, grid
+    browser.screenshot(ARTIFACTS / "site-trace-preemption-zh.png")
+    browser.click("#lang-en")
     page, frag = ev["href"].split("?")[0].removeprefix("file://"), ev["href"].split("#")[1]
     assert frag.startswith("note-") and f'id="{frag}"' in Path(page).read_text()
     from vllm_tour.notes.verify import proofs_for_pin
@@ -312,3 +332,35 @@ def test_the_repro_library_page_links_each_repro_to_its_notes(site, browser):
             assert f'id="{frag}"' in page.read_text(), (sc.name, h)
     reset = next(r for r in rows if r["id"] == "repro-async_reset_prefix_cache_placeholders")["text"]
     assert "v0.21.0 REPRODUCED (run on an H200)" in reset and "v0.32.0 NOT REPRODUCED" in reset
+
+
+def _zh_bodies(html: str) -> list[str]:
+    """The Chinese note texts of a page, tags stripped, in reading order."""
+    return [re.sub(r"<[^>]+>", "", m) for m in re.findall(r'<div class="i18n body" lang="zh">(.*?)</div>', html, re.S)]
+
+
+def test_glossary_page_and_first_use_glosses(site, browser):
+    """Every glossary term is on the glossary page; on a source page each term's first use, and only that,
+    carries its English (预填充（prefill）)."""
+    from vllm_tour.notes.glossary import load_glossary
+
+    terms = load_glossary()
+    page = (site / "glossary.html").read_text(encoding="utf-8")
+    for t in terms:
+        assert f'<td lang="zh">{t.zh}</td>' in page, t.en
+    browser.goto((site / "index.html").as_uri())
+    link = browser.js("[...document.querySelectorAll('a')].filter(a => a.href.includes('glossary.html')).length")
+    assert link == 1, link
+
+    text = "\n".join(_zh_bodies((site / SCHED_PAGE).read_text(encoding="utf-8")))
+    glossed = [t for t in terms if t.zh != t.en and t.zh in text]
+    assert len(glossed) >= 5, [t.en for t in glossed]  # the page uses terms: the check below can fail
+    for t in glossed:
+        # the term's own uses: not inside a longer term (预填充 in 分块预填充 is that term's use)
+        inside = {m.start() + o.zh.index(t.zh) for o in terms if o is not t and t.zh in o.zh
+                  for m in re.finditer(re.escape(o.zh), text)}
+        own = [m.start() for m in re.finditer(re.escape(t.zh), text) if m.start() not in inside]
+        glossed_at = [i for i in own if text.startswith(f"（{t.en}）", i + len(t.zh))]
+        # the first use not followed by a parenthesis of its own ("抢占（FCFS 下……）" passes the gloss on)
+        first = [i for i in own if not text.startswith("（", i + len(t.zh)) or i in glossed_at][:1]
+        assert glossed_at == first, (t.en, own, glossed_at)

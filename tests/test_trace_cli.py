@@ -203,13 +203,13 @@ def test_show_and_site_list_the_same_events(cli):
     run = load_run(GOLDEN_DIR / "preemption")
     step = next(s for s in run.steps if s.scheduler and any(r.kind == "resumed" for r in s.scheduler.scheduled))
     events = step_events(step)
-    assert ("admission" in [c for _, c in events]) and any(t.startswith("resume ") for t, _ in events)
+    assert ("admission" in [e.concept for e in events]) and any(e.text.startswith("resume ") for e in events)
     out = " ".join(cli("show", "preemption", "--step", str(step.index)).stdout.split())
     assert "Request admission (waiting → running) → notes:" in out
     assert notes_by_concept(run.meta.pin)["admission"][0][0] in out.split("Request admission (waiting → running) → notes:")[1]
     _, page = trace_page(run, run.meta.pin, lambda nid: f"#{nid}")
     row = page.split(f'<tr id="step-{step.index}">')[1].split("</tr>")[0]
-    assert all(f"ev-{c}" in row for _, c in events) and "resume " in row
+    assert all(f"ev-{e.concept}" in row and e.text in row and e.zh in row for e in events) and "resume " in row
 
 
 def test_traces_at_once_get_their_own_run_dirs_and_latest_is_the_last_started(tmp_path, cli):

@@ -57,7 +57,7 @@ def test_a_delta_without_its_base_is_one_clear_error(trace_runs, tmp_path):
             del lines[kv[1]]
             f.write_text("".join(lines))
             break
-    with pytest.raises(TourError, match=r"records\.\d+\.jsonl:\d+: kv record of step 3 is a delta against step 2, "
+    with pytest.raises(TourError, match=r"records\.\d+\.\d+\.jsonl:\d+: kv record of step 3 is a delta against step 2, "
                                         r"but the previous kv record of rank 0 in this file is step 1"):
         load_run(run)
 

@@ -277,19 +277,34 @@ def annotations_check(
 
 @annotations_app.command("verify")
 def annotations_verify(
-    pin: Optional[str] = typer.Option(None, "--pin", help="Pin tag; must be the installed vLLM (default: its pin)."),
+    pin: Optional[str] = typer.Option(None, "--pin", help="Pin tag: the installed vLLM (the default) or a release `pin add` built an environment for."),
     note: list[str] = typer.Option([], "--note", help="Note id to verify; repeat for several (default: every proven note)."),
     as_json: bool = flag("--json", help="Machine-readable report on stdout."),
     proofs: Optional[Path] = typer.Option(None, "--proofs", help="Proofs file (default: annotations/proofs/PIN.toml)."),
     record: bool = flag("--record", help="Keep each run whose claims all hold, small and without tensors, under "
                         "traces/golden/proofs/PIN/ (the runs the site links and CI re-checks)."),
+    recorded: bool = flag("--recorded", help="Check the claims on the runs kept under traces/golden/proofs/PIN/ "
+                          "instead of running the engine: for a pin that cannot run here (v0.21.0: CUDA)."),
+    run: Optional[str] = typer.Option(None, "--run", help="Check the serving-path claims (proven on a serve run) on "
+                                      "this `vllm-tour serve` run, a directory or a name `show` takes (latest)."),
 ):
-    """Prove notes' claims on live upstream runs: each note's check over its scenario's trace (exit 1 if one fails)."""
+    """Prove notes' claims on live upstream runs: each note's check over its scenario's trace (exit 1 if one fails).
+
+    A release with an environment (`pin add`) is verified there. A release other than the default pin is held
+    to the default's claims on every note that says the same there, plus its own file's
+    (annotations/proofs/PIN.toml: claims of its own note texts, other scenarios).
+    """
+    if record and recorded:
+        raise TourError("--record keeps live runs; --recorded checks kept ones: give one of them")
+    if run is not None and (record or recorded):
+        raise TourError("--run checks one serve run; --record and --recorded are for the scenario runs")
+    if not recorded and run is None:
+        _run_in_pin_env(pin)
     from vllm_tour.engine.trace_command import quiet_vllm
     from vllm_tour.notes.verify import verify
 
     quiet_vllm(False)  # as `compare`: vLLM's INFO lines would bury the table
-    raise typer.Exit(verify(console, pin, note, as_json, proofs, record))
+    raise typer.Exit(verify(console, pin, note, as_json, proofs, record, recorded, run))
 
 
 @annotations_app.command("lint")
@@ -347,12 +362,12 @@ def trace(
     out: Optional[Path] = typer.Option(None, help="Run directory (default traces/runs/<stamp>-<name>). An existing, non-empty one is refused unless --force."),
     force: bool = flag("--force", help="Trace into an existing --out: its meta.json, records and captures are deleted and replaced."),
     multiprocess: bool = flag("--multiprocess", help="Run the EngineCore in its own process, as `vllm serve` does (arrival steps become approximate)."),
-    verbose: bool = flag("--verbose", "-v", help="Show vLLM's own INFO logs."),
+    verbose: bool = flag("--verbose", "-v", help="Show upstream's own output live (vLLM's INFO logs, every process's stderr; also VLLM_TOUR_VERBOSE=1) instead of keeping it in the run's upstream.log."),
 ):
     """Run the pinned upstream vLLM engine with probes and record every step.
 
-    Writes traces/runs/<stamp>-<name>/ (meta.json, one records.<pid>.jsonl per
-    vLLM process, outputs.json) and prints a summary. Examples:
+    Writes traces/runs/<stamp>-<name>/ (meta.json, records.<pid>.<seg>.jsonl per vLLM process in
+    segments, index.jsonl, outputs.json, upstream.log: what upstream wrote) and prints a summary. Examples:
 
       vllm-tour trace --request "hello"
 
@@ -398,8 +413,8 @@ def serve(
     The server is the one `vllm serve` runs (python -m vllm.entrypoints.openai.api_server)
     with the engine arguments a `trace` plans (block size 32, float32, the KV pool), on
     127.0.0.1. Point any OpenAI client at the printed URL; Ctrl-C stops the server and
-    completes the run: meta.json, one records.<pid>.jsonl per vLLM process, outputs.json,
-    server.log (upstream's log).
+    completes the run: meta.json, records.<pid>.<seg>.jsonl per vLLM process (segments: a long run's
+    steps in files of VLLM_TOUR_SEGMENT_STEPS), index.jsonl, outputs.json, server.log (upstream's log).
 
     Beside the steps, the run holds each request as the server saw it: the API id
     (chatcmpl-..., cmpl-...), its engine requests (n > 1: one per choice), arrival and
@@ -502,19 +517,25 @@ def show(
     run: str = typer.Argument("latest", help="A run directory, a name under traces/runs or traces/golden, or 'latest' (the last trace started)."),
     step: Optional[int] = typer.Option(None, "--step", "-n", help="Show one step in full: batch, block grid, runner inputs, attention metadata."),
     request: Optional[str] = typer.Option(None, "--request", "-r", help="Follow one request: its steps and block table over time."),
+    steps: Optional[str] = typer.Option(None, "--steps", help="Only the step table of steps A-B (e.g. 1000-1100), reading only the records of those steps."),
+    seconds: Optional[str] = typer.Option(None, "--time", help="Only the step table of the steps scheduled T0-T1 seconds after the run started (e.g. 60-90.5)."),
+    lang: str = typer.Option("en", "--lang", help="en or zh: the step table, its events, the block grid, the outputs and a request's view in Chinese (--step N's detail stays in the records' field names)."),
 ):
     """Show a recorded run step by step: batch per step, block-table grid, preemptions, finishes.
 
     Legend in the batch column: r1:NP32 = r1 new, 32 prefill tokens; r0:D = one
     decode token; R = resumed after preemption. Block grid: + new this step,
     * reused from the prefix cache, color = the request that first owned the block.
+    A long run opens fast with --steps or --time: only the segments that hold the window are read.
     """
-    from vllm_tour.trace.reader import load_run
+    from vllm_tour.views.show import load_for_show
+    from vllm_tour.views.explain import check_lang
     from vllm_tour.views.show import show as render
 
-    if step is not None and request is not None:
-        raise TourError("give --step or --request, not both")
-    render(load_run(run), console, step=step, request=request)
+    if sum(x is not None for x in (step, request, steps, seconds)) > 1:
+        raise TourError("give one of --step, --request, --steps, --time")
+    check_lang(lang)
+    render(load_for_show(run, steps, seconds), console, step=step, request=request, lang=lang)
 
 
 @app.command()
@@ -540,7 +561,7 @@ def watch(
 @app.command()
 def explain(
     run: str = typer.Argument("latest", help="A run directory, a name under traces/runs or traces/golden, or 'latest' (the last trace started)."),
-    request: Optional[str] = typer.Option(None, "--request", "-r", help="Tell one request's life: why it waited, its prefix-cache hit, chunks, preemptions, finish."),
+    request: Optional[str] = typer.Option(None, "--request", "-r", help="Tell one request's life: why it waited, its prefix-cache hit, chunks, preemptions, finish (a served run: its API id or engine id)."),
     step: Optional[int] = typer.Option(None, "--step", "-n", help="Why step N's batch is what it is: budget arithmetic, who was admitted, who waited and why."),
     cache: bool = flag("--cache", help="Prefix-cache outcomes per admission, with the cause of every miss."),
     as_json: bool = flag("--json", help="Machine-readable explanation on stdout (each line with its cause, fields and notes)."),
@@ -558,6 +579,8 @@ def explain(
       vllm-tour explain traces/golden/preemption --step 38
 
       vllm-tour explain traces/golden/shared_prefix --cache --lang zh
+
+      vllm-tour explain latest --request chatcmpl-...   (a `vllm-tour serve` run: arrivals, n > 1, aborts)
     """
     import json
 
@@ -670,7 +693,7 @@ def repro(
     force: bool = flag("--force", help="Run into an existing --out: its meta.json, records and captures are deleted and replaced."),
     level: Optional[str] = typer.Option(None, "--level", help="What to record (steps, blocks, full; see trace --help). Default: what the expectations need, blocks at least; a lower one is refused."),
     pin: Optional[str] = typer.Option(None, "--pin", help="Run on this pin (default: the installed vLLM's); a pin with an environment (`pin add`) runs there."),
-    verbose: bool = flag("--verbose", "-v", help="Show vLLM's own INFO logs."),
+    verbose: bool = flag("--verbose", "-v", help="Show upstream's own output live (vLLM's INFO logs, every process's stderr; also VLLM_TOUR_VERBOSE=1) instead of keeping it in the run's upstream.log."),
 ):
     """Run a scenario that encodes an upstream issue; print REPRODUCED / NOT REPRODUCED on the installed pin, with the evidence.
 

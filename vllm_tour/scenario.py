@@ -155,7 +155,8 @@ class Scenario(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str
-    description: str = ""
+    description: str = ""  # Markdown (`code`), as the site renders it
+    description_zh: str = ""  # the same in Chinese: the site's 中文 mode (the English one where empty)
     model: str = "tiny-qwen3"
     pin: str | None = None  # None: the pin of the installed vLLM
     engine: EngineSpec = EngineSpec()

@@ -112,6 +112,19 @@ def kv_view(rec: dict | None) -> dict:
     }
 
 
+def spec_view(verify: dict | None, proposal: dict | None) -> dict:
+    """Speculative decoding in one step: per request the drafts verified and what the target kept, then the
+    drafts proposed for the next step and which the scheduler dropped."""
+    return {
+        "verified": {v["req_id"]: {k: v[k] for k in ("num_computed_tokens", "draft_token_ids", "num_accepted",
+                                                     "sampled_token_ids", "rejected_slots", "rejected_only_blocks")}
+                     for v in (verify or {}).get("requests", [])},
+        "num_lookahead_tokens": (verify or {}).get("num_lookahead_tokens"),
+        "proposed": dict(sorted((proposal or {}).get("proposed", {}).items())),
+        "ignored": sorted((proposal or {}).get("ignored", [])),
+    }
+
+
 def runner_view(rec: dict | None) -> dict:
     """Per request, then the batch as a whole: its row order (req_ids) and which rows give logits
     (logits_indices), compared as lists; None where the run did not record them (logits_not_recorded)."""
@@ -157,7 +170,8 @@ def _diff_value(prefix: str, up: Any, re_: Any, step: int, out: list[Divergence]
             if k.startswith("_"):
                 continue
             sub_req = req_id
-            if prefix.endswith(("scheduled", "requests", "block_tables", "allocated", "prefix_hits", "sampled_token_ids")):
+            if prefix.endswith(("scheduled", "requests", "block_tables", "allocated", "prefix_hits", "sampled_token_ids",
+                                "verified", "proposed")):
                 sub_req = k
                 path = f"{prefix}[{k}]"
             else:
@@ -231,6 +245,9 @@ def diff_step(step: int, up: dict[str, dict | None], re_: dict[str, dict | None]
     if "attention" in sections and up.get("attention") is not None:
         _diff_value("attention", attention_view(up.get("attention"), up.get("runner")),
                     attention_view(re_.get("attention"), re_.get("runner")), step, out)
+    if "spec_decode" in sections:
+        _diff_value("spec_decode", spec_view(up.get("spec_verify"), up.get("spec_proposal")),
+                    spec_view(re_.get("spec_verify"), re_.get("spec_proposal")), step, out)
     if "moe" in sections:
         from vllm_tour.compare.moe_diff import diff_moe
 

@@ -4,7 +4,8 @@ When several things differ at the first divergent step, most are consequences of
 data flows: the scheduler decides (scheduler.*), the KV manager places blocks (kv.*), the runner builds its
 inputs (runner.*) and the attention metadata (attention.*), then the model runs layer by layer (the
 embedding, then per layer: qkv, the KV write, attention, o_proj, the MLP or the MoE's router, routing and
-experts), the final norm and the logits, and last the sampler picks tokens (runner.sampled_token_ids).
+experts), the final norm and the logits, and last the sampler picks tokens (runner.sampled_token_ids; with
+speculative decoding, spec_decode.*: the drafts it accepted, and those proposed after the step).
 The headline is the earliest of these, so a wrong layer-0 attention output is named before the layer-1
 routing change and the sampled token that follow from it.
 """
@@ -25,7 +26,8 @@ _LAYER_OPS = (
     ("all_reduce_in.model.layers.{}.self_attn.o_proj", 3), ("o_proj", 4),
     ("gate_up_proj", 5), ("router_logits", 5),
     ("topk_ids", 6), ("topk_weights", 6), ("tokens_per_expert", 6), ("moe.layers", 6),
-    ("moe_partial", 7), ("all_reduce_in.model.layers.{}.mlp.down_proj", 7), ("down_proj", 8), ("moe_out", 8),
+    ("moe_partial", 7), ("all_reduce_in.model.layers.{}.mlp.down_proj", 7), ("all_reduce_in.model.layers.{}.mlp.experts", 7),
+    ("down_proj", 8), ("moe_out", 8), ("mlp.experts", 8),
 )
 _STAGES = {"scheduler": 0, "kv": 1, "runner": 2, "attention": 3}
 MODEL, SAMPLER, CRASH = 4, 5, 6
@@ -64,6 +66,8 @@ def flow_key(d: Divergence) -> tuple:
     head = d.field.split(".", 1)[0].split("[", 1)[0]
     if head == "runner" and d.field.startswith("runner.sampled_token_ids"):
         return (*step, SAMPLER, 0, 0, 0)
+    if head == "spec_decode":  # the sampler's verification of the drafts, then the drafts proposed after it
+        return (*step, SAMPLER, 1, 0, 0)
     if head in _STAGES:
         return (*step, _STAGES[head], 0, 0, 0)
     if d.kind == "tokens":

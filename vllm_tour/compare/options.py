@@ -34,6 +34,15 @@ def _bool(v) -> bool:
     return isinstance(v, bool)
 
 
+# The speculative decoding the reimpl runs (reimpl/spec_decode.py): ngram, every field given.
+NGRAM_FIELDS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
+
+
+def _ngram(v) -> bool:
+    return (isinstance(v, dict) and set(v) == NGRAM_FIELDS and v["method"] == "ngram"
+            and all(_int(v[k]) and v[k] > 0 for k in NGRAM_FIELDS - {"method"}))
+
+
 CARRIED: dict[str, Carried] = {
     "long_prefill_token_threshold": Carried(
         "long_prefill_token_threshold", "vllm.v1.core.sched.scheduler.Scheduler.schedule (num_new_tokens capped)", _int),
@@ -45,6 +54,9 @@ CARRIED: dict[str, Carried] = {
     "scheduler_reserve_full_isl": Carried(
         "reserve_full_sequence", "vllm.v1.core.kv_cache_manager.KVCacheManager.allocate_slots (full_sequence_must_fit)",
         _bool),
+    "speculative_config": Carried(
+        "speculative_config", "vllm.config.SpeculativeConfig (the drafter, Scheduler.schedule, update_from_output)",
+        _ngram),
 }
 
 # option -> (the values that change nothing compare judges, why)
@@ -59,8 +71,10 @@ def check_extra(extra: dict[str, Any], where: str = "engine.extra") -> None:
     for name, value in extra.items():
         if name in CARRIED:
             if not CARRIED[name].check(value):
+                what = {_int: "a non-negative integer", _bool: "true or false",
+                        _ngram: f"method ngram with positive {', '.join(sorted(NGRAM_FIELDS - {'method'}))}"}
                 raise TourError(f"{where}.{name} = {value!r}: compare carries this option into the reimpl only for "
-                                f"{'a non-negative integer' if CARRIED[name].check is _int else 'true or false'}")
+                                f"{what[CARRIED[name].check]}")
             continue
         if name in NEUTRAL:
             ok, why = NEUTRAL[name]

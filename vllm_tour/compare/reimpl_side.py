@@ -26,6 +26,12 @@ def applicable(scenario, module: str | None = None) -> str | None:
         check_extra(scenario.engine.extra)
     except TourError as e:
         return str(e)
+    if "speculative_config" in scenario.engine.extra:
+        if not (module and get_module(module).speculative):
+            spec = ", ".join(name for name, m in MODULES.items() if m.speculative)
+            return f"speculative decoding ({spec} compares it)"
+        if DTYPES.get(scenario.engine.dtype) != "float32":
+            return f"dtype {scenario.engine.dtype} with speculative decoding (its compare runs float32)"
     world = get_module(module).world_size if module else 1
     tp = scenario.engine.tensor_parallel_size
     ep = scenario.engine.enable_expert_parallel and tp > 1
@@ -34,21 +40,27 @@ def applicable(scenario, module: str | None = None) -> str | None:
         return f"expert parallelism at TP={tp} ({multi} compares EP={tp} runs)"
     if tp != world and not ep:
         if world == 1:
-            multi = ", ".join(name for name, m in MODULES.items() if m.world_size == tp) or "no module"
-            return f"tensor_parallel_size={tp} (this module's reimpl is single-device; {multi} compares TP={tp})"
+            return f"tensor_parallel_size={tp} (this module's reimpl is single-device; {_tp_modules(scenario)})"
         return f"tensor_parallel_size={tp} ({module} compares TP={world} runs only)"
     if world > 1 and DTYPES.get(scenario.engine.dtype) != "float32":
         return f"dtype {scenario.engine.dtype} ({module} runs float32)"
     moe_only = bool(module) and get_module(module).moe_only
     if world > 1 or moe_only:  # single-device modules run both (reimpl/moe.py's Qwen3MoE for MoE checkpoints)
         moe = is_moe_model(scenario.model)
-        if world > 1 and moe:
-            return f"model {scenario.model} is MoE ({module}'s model is the dense Qwen3)"
+        if world > 1 and moe and not moe_only:
+            return f"model {scenario.model} is MoE ({module}'s model is the dense Qwen3; {_tp_modules(scenario)})"
         if moe_only and not moe:
             return f"model {scenario.model} is dense ({module} judges MoE routing and expert placement)"
     if scenario.engine.dtype not in DTYPES:
         return f"dtype {scenario.engine.dtype} (the reimpl runs float32 or bfloat16)"
     return None
+
+
+def _tp_modules(scenario) -> str:
+    """Which modules compare this scenario's TP size and kind of model, in words."""
+    tp, moe = scenario.engine.tensor_parallel_size, is_moe_model(scenario.model)
+    names = [name for name, m in MODULES.items() if m.world_size == tp and m.moe_only == moe]
+    return f"{', '.join(names) or 'no module'} compares {'MoE ' if moe else ''}TP={tp}"
 
 
 def check_module(module: str) -> None:

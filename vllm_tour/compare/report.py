@@ -62,9 +62,11 @@ def render(result: CompareResult, console: Console, explain: bool = False, max_r
     else:
         moe = ("; MoE per layer: top-k expert ids and tokens per expert, each rank's expert map and local token "
                "counts (top-k weights within fp32 tolerance)") if "moe" in MODULES[result.module].sections else ""
+        spec = ("; drafts proposed and verified, accepted counts, rejected drafts' slots"
+                if "spec_decode" in MODULES[result.module].sections else "")
         console.print("[green]decisions identical[/] at every step: scheduled requests and token counts, "
                       "preemptions, finishes, block tables, new/freed/evicted blocks, prefix hits, runner inputs, slot mapping"
-                      + moe)
+                      + moe + spec)
 
     if result.tensors:
         tol = j["tolerance"]

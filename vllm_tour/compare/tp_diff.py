@@ -1,11 +1,11 @@
 """Tensor-parallel diffs, per rank: weight shards (bitwise), every column-parallel layer's output shard and
 every collective's input and output (tolerance; the logits gather's input is each rank's logits shard, from its
-own hidden states), upstream's own invariant that every rank leaves an all-reduce with the same tensor, and the
-same of the reimpl's ranks' final hidden states.
+own hidden states), a MoE block's router logits and partial output, upstream's own invariant that every rank
+leaves an all-reduce with the same tensor, and the same of the reimpl's ranks' final hidden states.
 
 Upstream's side comes from probes/tp.py (TPShardsRecord, CollectiveRecord, captures tp.column_out.<layer> and
-tp.<op>_<in|out>.<layer> per rank); the reimpl's from reimpl/tp.py (model.shards per rank, group.recorded
-"rank<r>/tp....").
+tp.<op>_<in|out>.<layer> per rank) and probes/moe.py (router_logits.layers.<i>, moe_partial.layers.<i> per rank);
+the reimpl's from reimpl/tp.py and tp_moe.py (model.shards per rank, group.recorded "rank<r>/<capture name>").
 Every divergence names the rank, the layer, the tensor and the step (0: at load).
 """
 
@@ -18,6 +18,10 @@ from vllm_tour.compare.upstream import load_capture
 from vllm_tour.probes.tp import digest
 from vllm_tour.trace.reader import load_run
 
+# Captures judged per rank: upstream keeps every rank's (rank 0's alone says nothing of rank 1's)
+RANK_CAPTURES = ("tp.", "moe_partial.", "router_logits.")
+MOE_LAYER = {"router_logits": "mlp.gate", "moe_partial": "mlp.experts"}  # the module of a MoE block a capture is of
+
 
 def _split(param: str) -> tuple[str, str]:
     """model.layers.0.mlp.gate_up_proj.weight -> (model.layers.0.mlp.gate_up_proj, weight)."""
@@ -25,14 +29,20 @@ def _split(param: str) -> tuple[str, str]:
     return layer, tensor
 
 
+def same_param(name: str) -> str:
+    """A parameter's name on every pin: v0.32.0 keeps FusedMoE's expert weights in a RoutedExperts submodule
+    (mlp.experts.routed_experts.w13_weight), v0.21.0 in the layer itself (mlp.experts.w13_weight)."""
+    return name.replace(".experts.routed_experts.", ".experts.")
+
+
 def diff_shards(run, shards: dict[int, dict]) -> list[Divergence]:
     """Each rank's weight shards against the reimpl's: names, shapes and sha256 (bitwise)."""
     divs = []
     for rank, rec in sorted(run.tp_shards.items()):
-        mine = shards.get(rank, {})
+        mine = {same_param(k): v for k, v in shards.get(rank, {}).items()}
         for s in rec.shards:
             layer, tensor = _split(s.name)
-            t = mine.get(s.name)
+            t = mine.get(same_param(s.name))
             where = f"rank {rank}, layer {layer}, tensor {tensor} (weight shard), step 0 (load)"
             if t is None:
                 divs.append(Divergence("tensor", 0, f"tp.shards[rank{rank}].{s.name}", s.shape, None,
@@ -81,11 +91,23 @@ def _rows(name: str, up_runner: dict | None, re_runner: dict | None):
 
 WHAT = {"final_hidden": "final hidden states, the LM head's input", "column_out": "column-parallel output shard", "all_reduce_in": "partial sum into the all-reduce",
         "all_reduce_out": "all-reduce result", "all_gather_in": "logits shard", "all_gather_out": "gathered logits",
-        "gather_in": "logits shard", "gather_out": "gathered logits"}
+        "gather_in": "logits shard", "gather_out": "gathered logits",
+        "moe_partial": "this rank's MoE output over its expert slices, before the all-reduce",
+        "router_logits": "router logits of the replicated gate"}
+
+
+def _tensor_and_layer(name: str) -> tuple[str, str]:
+    """tp.all_reduce_in.model.layers.0.mlp.experts -> (all_reduce_in, model.layers.0.mlp.experts);
+    moe_partial.layers.0 -> (moe_partial, model.layers.0.mlp.experts)."""
+    if name.startswith("tp."):
+        tensor, _, layer = name[3:].partition(".")
+        return tensor, layer
+    tensor, _, index = name.partition(".layers.")
+    return tensor, f"model.layers.{index}.{MOE_LAYER.get(tensor, 'mlp')}"
 
 
 def _divergence(key: str, rank: int, step: int, st: TensorStat, atol: float, rtol: float) -> Divergence:
-    op_side, _, layer = key.partition("/tp.")[2].partition(".")
+    op_side, layer = _tensor_and_layer(key.partition("/")[2])
     what = f"rank {rank}, layer {layer}, tensor {op_side} ({WHAT.get(op_side, op_side)}), step {step}"
     if st.max_abs == float("inf"):
         return Divergence("tensor", step, key, None, None, message=f"{what}: {st.note}")
@@ -109,7 +131,7 @@ def diff_collectives(run, up_steps: dict, re_steps: dict, re_tensors: dict, atol
             continue
         seen: dict[int, set[str]] = {}  # rank -> the reimpl's keys upstream captured (or could not: a gather's out)
         for rec in step.captures:
-            if not rec.name.startswith("tp."):
+            if not rec.name.startswith(RANK_CAPTURES):
                 continue
             rank = rec.proc.rank
             # the reimpl all-gathers the logits; upstream gathers them to rank 0 where use_all_gather is false (CUDA)
@@ -138,7 +160,8 @@ def diff_collectives(run, up_steps: dict, re_steps: dict, re_tensors: dict, atol
                      if c.op == "gather" and c.sha256_out is None}
             if not has_final:  # a run of a pin without the probe (or recorded before it): harness notes it
                 keys |= {k for k in mine_all if k.startswith(f"rank{rank}/tp.final_hidden.")}
-            for key in sorted(k for k in mine_all if k.startswith(f"rank{rank}/tp.") and k not in keys):
+            for key in sorted(k for k in mine_all if k.partition("/")[2].startswith(RANK_CAPTURES)
+                              and k.startswith(f"rank{rank}/") and k not in keys):
                 stats.append(TensorStat(key, step.index, list(mine_all[key].shape), float("inf"), float("inf"), atol,
                                         rtol, False, f"missing: upstream captured no {key.partition('/')[2]} on rank {rank}"))
                 first_bad.setdefault(rank, _divergence(key, rank, step.index, stats[-1], atol, rtol))

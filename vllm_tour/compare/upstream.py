@@ -75,7 +75,8 @@ def load_upstream(run_dir: Path) -> UpstreamRecords:
                              if c.proc.rank == 0 or c.name.startswith(PER_RANK_CAPTURES)],
                 "moe": [r.model_dump(mode="json") for rank in sorted(s.moe) for r in s.moe[rank]]}
         for kind, rec in (("scheduler", s.scheduler), ("kv", s.kv), ("runner", s.runner.get(0)),
-                          ("attention", s.attention.get(0))):
+                          ("attention", s.attention.get(0)), ("spec_verify", s.spec_verify),
+                          ("spec_proposal", s.spec_proposal)):
             if rec is not None:
                 step[kind] = rec.model_dump(mode="json")
         steps[s.index] = step

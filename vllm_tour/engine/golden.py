@@ -16,10 +16,10 @@ import shutil
 import sys
 from pathlib import Path
 
-from vllm_tour.paths import GOLDEN_DIR, SCENARIOS_DIR
+from vllm_tour.paths import GOLDEN_DIR, REPO_ROOT, SCENARIOS_DIR
 from vllm_tour.trace.reader import Run, load_run, read_records
 
-GOLDEN_SCENARIOS = ("single", "concurrent8", "shared_prefix", "preemption", "chunked_prefill", "tp2")
+GOLDEN_SCENARIOS = ("single", "concurrent8", "shared_prefix", "preemption", "chunked_prefill", "tp2", "spec_ngram")
 _VOLATILE = {"time", "duration_s", "proc"}
 
 
@@ -37,6 +37,8 @@ def deterministic(run: Run) -> dict:
                 "kv": _clean(s.kv) if s.kv else None,
                 "runner": {str(r): _clean(v) for r, v in sorted(s.runner.items())},
                 "attention": {str(r): _clean(v) for r, v in sorted(s.attention.items())},
+                "spec_verify": _clean(s.spec_verify) if s.spec_verify else None,
+                "spec_proposal": _clean(s.spec_proposal) if s.spec_proposal else None,
                 "errors": [e.probe for e in s.errors],
             }
         )
@@ -79,6 +81,10 @@ def write_golden(run: Run, dest: Path, drop_capture_records: bool = False) -> Pa
     dest.mkdir(parents=True)
     meta = run.meta.model_dump(mode="json")
     env = {k: v for k, v in (meta.get("env") or {}).items() if k in NUMERICS_ENV}  # they decide the numbers
+    server = (meta.get("engine_args") or {}).get("server")
+    if isinstance(server, dict) and server.get("argv"):  # a serve run: its argv names this machine's paths too
+        here = {meta["model_path"]: "<cache>/" + Path(meta["model_path"]).name, str(REPO_ROOT): "<repo>"}
+        server["argv"] = [next((a.replace(k, v, 1) for k, v in here.items() if a.startswith(k)), a) for a in server["argv"]]
     meta.update(started=0.0, finished=0.0, model_path="<cache>/" + Path(meta["model_path"]).name, env=env, platform={})
     if drop_capture_records and isinstance(meta.get("engine_args"), dict) and "capture" in meta["engine_args"]:
         meta["engine_args"]["capture"] = []

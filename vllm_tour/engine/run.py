@@ -2,7 +2,8 @@
 
     traces/runs/<stamp>-<slug>/
       meta.json               what ran: pin, model, engine args, requests, env allow-list
-      records.<pid>.jsonl     one per vLLM process that recorded something
+      records.<pid>.<seg>.jsonl  per vLLM process that recorded something, in segments (trace/writer.py)
+      index.jsonl             the segments: file, first/last step and wall time
       captures/*.safetensors  tensors (with capture names)
       outputs.json            generated token ids and text per request (written last)
 
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, NoReturn
 
+from vllm_tour.engine.upstream_log import LOG_NAME, live, upstream_output
 from vllm_tour.errors import TourError
 from vllm_tour.paths import RUNS_DIR, cache_dir, check_dir
 from vllm_tour.paths import TOUR_VERSION as __version__
@@ -39,11 +41,13 @@ from vllm_tour.trace.schema import Outputs, RequestOutput, RunMeta
 from vllm_tour.trace.writer import (
     CAPTURE_ENV,
     CAPTURE_STEPS_ENV,
+    INDEX_NAME,
     RECORDER,
     RUN_DIR_ENV,
     allocate_run_dir,
     mark_latest,
     parse_steps,
+    segment_limits,
     write_json_atomic,
 )
 from vllm_tour.upstream.models import ModelFacts
@@ -290,8 +294,9 @@ def fail_run(meta, run_dir: Path, e: BaseException, what: str) -> NoReturn:
         raise (e if isinstance(e, Interrupted) else Interrupted(run_dir)) from None
     if isinstance(e, TourError):
         raise e
+    log = "" if live() else f"; upstream's own log: {run_dir / LOG_NAME}"
     raise TourError(f"upstream {what} failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} "
-                    f"(run dir {run_dir})") from e
+                    f"(run dir {run_dir}{log})") from e
 
 
 def run_upstream(
@@ -321,85 +326,89 @@ def run_upstream(
     Without `run_dir`, a new one under traces/runs is created once those checks pass. `latest` (the
     user's commands) makes this run traces/runs/latest as it starts.
     """
-    from vllm_tour.probes import cpu_isa
-    from vllm_tour.probes.install import check_probes, install_all
+    with upstream_output() as spool:
+        from vllm_tour.probes import cpu_isa
+        from vllm_tour.probes.install import check_probes, install_all
 
-    names = _check_capture(capture)
-    _check_capture_steps(capture_steps)
-    check_level(level)
-    if names and not has_level(level, "full"):
-        raise TourError(f"--capture needs --level full (captures are taken by the runner and attention probes); got {level}")
-    logprobs = default_logprobs(scenario.engine.dtype) if logprobs is None else logprobs
-    if logprobs < 0:
-        raise TourError(f"logprobs must be >= 0, got {logprobs}")
-    plan = plan_run(scenario)
-    tag, backend, kwargs = plan.pin, plan.backend, plan.engine_args
-    run_dir = Path(run_dir) if run_dir else None  # None: a new dir, created below once the checks pass
-    check_dir(run_dir or RUNS_DIR, "run directory")
-    if probes:
-        check_probes(tag, backend=backend, level=level)  # a missing target fails here, before any engine starts
-    if scenario.engine.cpu_attention_isa:
-        cpu_isa.check(scenario.engine.cpu_attention_isa, scenario.engine.dtype, backend)
+        names = _check_capture(capture)
+        _check_capture_steps(capture_steps)
+        check_level(level)
+        segment_limits()  # a bad VLLM_TOUR_SEGMENT_* fails here, not in an engine process
+        if names and not has_level(level, "full"):
+            raise TourError(f"--capture needs --level full (captures are taken by the runner and attention probes); got {level}")
+        logprobs = default_logprobs(scenario.engine.dtype) if logprobs is None else logprobs
+        if logprobs < 0:
+            raise TourError(f"logprobs must be >= 0, got {logprobs}")
+        plan = plan_run(scenario)
+        tag, backend, kwargs = plan.pin, plan.backend, plan.engine_args
+        run_dir = Path(run_dir) if run_dir else None  # None: a new dir, created below once the checks pass
+        check_dir(run_dir or RUNS_DIR, "run directory")
+        if probes:
+            check_probes(tag, backend=backend, level=level)  # a missing target fails here, before any engine starts
+        if scenario.engine.cpu_attention_isa:
+            cpu_isa.check(scenario.engine.cpu_attention_isa, scenario.engine.dtype, backend)
 
-    if run_dir is None:
-        run_dir = new_run_dir(scenario.name)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    for stale in ("outputs.json", "meta.json"):
-        (run_dir / stale).unlink(missing_ok=True)
-    for old in run_dir.glob("records.*.jsonl"):
-        old.unlink()
-    shutil.rmtree(run_dir / "captures", ignore_errors=True)  # a rerun into the same dir starts clean
+        if run_dir is None:
+            run_dir = new_run_dir(scenario.name)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        spool.keep_in(run_dir)
+        for stale in ("outputs.json", "meta.json", INDEX_NAME):
+            (run_dir / stale).unlink(missing_ok=True)
+        for old in run_dir.glob("records.*.jsonl"):
+            old.unlink()
+        shutil.rmtree(run_dir / "captures", ignore_errors=True)  # a rerun into the same dir starts clean
 
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0", **probe_env(plan, level)}
-    if scenario.engine.tensor_parallel_size > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(scenario.engine.tensor_parallel_size))
-    if probes:
-        env.update({RUN_DIR_ENV: str(run_dir.resolve()), CAPTURE_ENV: ",".join(names), CAPTURE_STEPS_ENV: capture_steps})
-        if fault:
-            env["VLLM_TOUR_FAULT"] = fault
+        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0", **probe_env(plan, level)}
+        if scenario.engine.tensor_parallel_size > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(scenario.engine.tensor_parallel_size))
+        if probes:
+            env.update({RUN_DIR_ENV: str(run_dir.resolve()), CAPTURE_ENV: ",".join(names), CAPTURE_STEPS_ENV: capture_steps})
+            if fault:
+                env["VLLM_TOUR_FAULT"] = fault
 
-    meta = RunMeta(
-        tool_version=__version__,
-        side="upstream",
-        pin=tag,
-        vllm_version=platform_info().get("vllm-cpu") or platform_info().get("vllm"),
-        model=scenario.model,
-        model_path=str(plan.model.path),
-        model_digest=plan.model.digest,
-        weights=plan.model.weights,
-        weights_note=plan.model.weights_note,
-        level=level,
-        engine_args={**kwargs, "multiprocess": multiprocess, "probes": probes, "capture": names, "logprobs": logprobs},
-        requests=[r.model_copy(update={"ignore_eos": bool(r.ignore_eos)}) for r in scenario.requests],
-        env={},
-        platform=platform_info(),
-        started=time.time(),
-    )
-    with _env(env):
-        meta.env = env_allow_list()
+        meta = RunMeta(
+            tool_version=__version__,
+            side="upstream",
+            pin=tag,
+            vllm_version=platform_info().get("vllm-cpu") or platform_info().get("vllm"),
+            model=scenario.model,
+            model_path=str(plan.model.path),
+            model_digest=plan.model.digest,
+            weights=plan.model.weights,
+            weights_note=plan.model.weights_note,
+            level=level,
+            engine_args={**kwargs, "multiprocess": multiprocess, "probes": probes, "capture": names, "logprobs": logprobs},
+            requests=[r.model_copy(update={"ignore_eos": bool(r.ignore_eos)}) for r in scenario.requests],
+            env={},
+            platform=platform_info(),
+            started=time.time(),
+        )
+        with _env(env):
+            meta.env = env_allow_list()
+            write_json_atomic(run_dir / "meta.json", meta.model_dump(mode="json"))
+            if latest:
+                mark_latest(RUNS_DIR, run_dir)
+            try:
+                # vLLM loads its plugins once per process: a process that ran an engine before (tests,
+                # in-process runs) needs this run's ISA choice installed here; children get it from the plugin.
+                cpu_isa.install_override()
+                if probes:
+                    install_all(tag, backend=backend)  # this process; child processes install through the plugin
+                    RECORDER.activate(run_dir.resolve(), ",".join(names), capture_steps, fault, level)
+                outputs = (_drive_in_child(scenario, kwargs, logprobs) if "speculative_config" in kwargs
+                           else _drive(scenario, kwargs, progress, logprobs))
+            except BaseException as e:
+                fail_run(meta, run_dir, e, "engine")
+            finally:
+                RECORDER.deactivate()
+
+        prompt_ids = {o.req_id: o.prompt_token_ids for o in outputs}
+        for r in meta.requests:
+            r.prompt_token_ids = prompt_ids.get(r.req_id, r.prompt_token_ids)
+        write_json_atomic(run_dir / "outputs.json", Outputs(requests=outputs).model_dump(mode="json"))
+        meta.status, meta.finished = "ok", time.time()
         write_json_atomic(run_dir / "meta.json", meta.model_dump(mode="json"))
-        if latest:
-            mark_latest(RUNS_DIR, run_dir)
-        try:
-            # vLLM loads its plugins once per process: a process that ran an engine before (tests,
-            # in-process runs) needs this run's ISA choice installed here; children get it from the plugin.
-            cpu_isa.install_override()
-            if probes:
-                install_all(tag, backend=backend)  # this process; child processes install through the plugin
-                RECORDER.activate(run_dir.resolve(), ",".join(names), capture_steps, fault, level)
-            outputs = _drive(scenario, kwargs, progress, logprobs)
-        except BaseException as e:
-            fail_run(meta, run_dir, e, "engine")
-        finally:
-            RECORDER.deactivate()
-
-    prompt_ids = {o.req_id: o.prompt_token_ids for o in outputs}
-    for r in meta.requests:
-        r.prompt_token_ids = prompt_ids.get(r.req_id, r.prompt_token_ids)
-    write_json_atomic(run_dir / "outputs.json", Outputs(requests=outputs).model_dump(mode="json"))
-    meta.status, meta.finished = "ok", time.time()
-    write_json_atomic(run_dir / "meta.json", meta.model_dump(mode="json"))
-    return run_dir
+        return run_dir
 
 
 def _drive(scenario: Scenario, kwargs: dict, progress: Progress | None, logprobs: int = 0) -> list[RequestOutput]:
@@ -441,6 +450,25 @@ def _drive(scenario: Scenario, kwargs: dict, progress: Progress | None, logprobs
         return [done[r.req_id] for r in scenario.requests if r.req_id in done]
     finally:
         _shutdown(engine)
+
+
+def _drive_in_child(scenario: Scenario, kwargs: dict, logprobs: int) -> list[RequestOutput]:
+    """_drive in a fresh (spawned) process, in-process mode there, the probes installed by the plugin from the
+    environment. Measured on v0.32.0: once ngram speculation has run in a process (its proposer imports numba),
+    no other vLLM engine starts in it: the CPU worker's Triton-kernel overrides (triton_utils.dispatcher.
+    _rebind_kernels) scan every module and fail on an llvmlite object ("'_lib_fn_wrapper' object has no
+    attribute 'get'"). The child ends with the run; this process can start engines after it."""
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        outputs = pool.apply(_drive_as_json, (scenario.model_dump(mode="json"), kwargs, logprobs))
+    return [RequestOutput.model_validate(o) for o in outputs]
+
+
+def _drive_as_json(scenario: dict, kwargs: dict, logprobs: int) -> list[dict]:
+    from vllm_tour.scenario import scenario_from_dict
+
+    return [o.model_dump(mode="json") for o in _drive(scenario_from_dict(scenario), kwargs, None, logprobs)]
 
 
 def _top_logprobs(positions, k: int) -> dict:

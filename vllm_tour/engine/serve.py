@@ -9,7 +9,7 @@ processes (API server, EngineCore, CPU worker), and the probes write one records
 
     traces/runs/<stamp>-serve-<model>/
       meta.json          engine_args["mode"] = "serve", the server's arguments (secrets redacted)
-      records.<pid>.jsonl
+      records.<pid>.<seg>.jsonl, index.jsonl   the steps, in segments (trace/writer.py)
       server.log         upstream's own log (stdout and stderr of the server)
       outputs.json       written at stop, from the front end's records
 
@@ -40,7 +40,7 @@ from vllm_tour.paths import DATA_DIR, RUNS_DIR, TOUR_VERSION, check_dir
 from vllm_tour.scenario import Scenario
 from vllm_tour.trace.levels import DEFAULT_LEVEL, check_level
 from vllm_tour.trace.schema import Outputs, RequestOutput, RequestSpec, RunMeta
-from vllm_tour.trace.writer import CAPTURE_ENV, CAPTURE_STEPS_ENV, RUN_DIR_ENV, mark_latest, write_json_atomic
+from vllm_tour.trace.writer import CAPTURE_ENV, CAPTURE_STEPS_ENV, RUN_DIR_ENV, mark_latest, segment_limits, write_json_atomic
 
 HOST = "127.0.0.1"  # loopback only: a traced server is a study tool, not a service
 CHATML = DATA_DIR / "chatml.jinja"
@@ -155,6 +155,7 @@ def plan_serve(scenario: Scenario, port: int | None, out: Path | None, extra: li
         raise TourError(f"--out {out} exists and is not an empty directory: give a new one")
     plan = plan_run(scenario)  # pin, model (an unknown one fails here), engine arguments
     check_level(level)
+    segment_limits()  # a bad VLLM_TOUR_SEGMENT_* fails here, not in the server's engine process
     check_probes(plan.pin, backend=plan.backend, level=level, serve=True)
     run_dir = Path(out) if out is not None else None
     check_dir(run_dir or RUNS_DIR, "run directory")

@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
+from vllm_tour.engine.upstream_log import LOG_NAME, VERBOSE_ENV, summary_line
 from vllm_tour.errors import TourError
 from vllm_tour.scenario import Scenario, load_scenario, scenario_from_dict
 from vllm_tour.trace.levels import DEFAULT_LEVEL, check_level
@@ -180,6 +181,9 @@ def summarize(run, elapsed: float, console: Console) -> None:
         print_("  [yellow]warning:[/] " + escape(w))
     where = display_path(run.path)
     print_(f"  run dir: {where}")
+    logged = summary_line(run.path, failed=False, where=f"{where}/{LOG_NAME}")
+    if logged:
+        print_(f"  [dim]{escape(logged)}[/]")
     print_(f"  see it:  vllm-tour show {where}  (--step N, --request ID)")
     print_(f"  export:  vllm-tour export {where} --format perfetto")
 
@@ -193,8 +197,11 @@ def display_path(path: Path) -> str:
 
 
 def quiet_vllm(verbose: bool) -> None:
-    """vLLM logs INFO lines from every process; the tour's own display is enough by default."""
-    if not verbose:
+    """vLLM logs INFO lines from every process; the tour's own display is enough by default, and what upstream
+    writes during a run goes to the run's upstream.log (upstream_log.py). --verbose shows it all live."""
+    if verbose:
+        os.environ[VERBOSE_ENV] = "1"
+    else:
         import warnings
 
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")

@@ -39,7 +39,8 @@ Upstream's attention backend is the pin's (v0.21.0: TRITON_ATTN, passed as
 sets each scenario's `engine.attention_backend`.
 TP scenarios (tp_*, `tensor_parallel_size = 2`) need the 2-GPU machine: upstream runs its mp executor, one
 worker per GPU over NCCL (NVLink SHARP off: NCCL_NVLS_ENABLE=0), and the rank-aware probes record each rank;
-compare them with `--modules reimpl.tp` (not in the default modules: they are single-device). A scenario
+compare them with `--modules reimpl.tp` (not in the default modules: they are single-device), the MoE one
+(tp_moe) with `--modules reimpl.tp_moe`. A scenario
 name may carry variants after `+`: `tp_chunked+bf16` runs it in bfloat16, `tp_single+tp1` at TP=1 (upstream's
 own TP=1 tokens, beside its TP=2 ones); its run directory keeps the full name, and compare reads the scenario
 file and the dtype the run recorded. `+flash` runs it on FLASH_ATTN whatever --attention-backend says
@@ -291,11 +292,12 @@ def probe_errors(run_dir: Path) -> dict:
 
 def max_abs_by_kind(tensors: list[dict]) -> dict[str, dict]:
     """Worst |Δ| per tensor kind over ranks, layers and steps: 'rank1/tp.all_reduce_out.model.layers.0.mlp.down_proj'
-    is kind all_reduce_out.down_proj, 'attn_out.model.layers.1.self_attn.attn' attn_out.attn."""
+    is kind all_reduce_out.down_proj, 'attn_out.model.layers.1.self_attn.attn' attn_out.attn, 'rank1/moe_partial.layers.0'
+    moe_partial."""
     out: dict[str, dict] = {}
     for t in tensors:
         parts = t["name"].rpartition("/")[2].removeprefix("tp.").split(".")
-        kind = f"{parts[0]}.{parts[-1]}" if len(parts) > 1 else parts[0]
+        kind = f"{parts[0]}.{parts[-1]}" if len(parts) > 1 and parts[1] != "layers" else parts[0]
         k = out.setdefault(kind, {"max_abs": 0.0, "n": 0, "out_of_tolerance": 0})
         k["max_abs"] = max(k["max_abs"], t["max_abs"])
         k["n"] += 1

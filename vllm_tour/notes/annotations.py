@@ -47,7 +47,7 @@ from vllm_tour.notes.concepts import CONCEPTS
 from vllm_tour.paths import ANNOTATIONS_DIR
 
 LANGS = ("en", "zh")
-PROBE_KINDS = ("scheduler", "kv", "runner", "attention", "tp_shards", "collective", "moe")
+PROBE_KINDS = ("scheduler", "kv", "runner", "attention", "tp_shards", "collective", "moe", "abort")
 
 CJK_WORD = "\u2e80-\u2fff\u3040-\u30ff\u3100-\u312f\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff"  # radicals, kana, ideographs
 CJK_PUNCT = "\u3000-\u303f\ufe30-\ufe4f\uff00-\uffef"  # CJK punctuation, compatibility and fullwidth forms

@@ -20,7 +20,10 @@ CONCEPTS: dict[str, tuple[str, str, str]] = {
     "tp-fanout": ("proc.rank", "Tensor-parallel worker fan-out", "张量并行的 worker 扇出"),
     "tp-collective": ("collective[rank]", "Tensor-parallel sharding and all-reduce", "张量并行的分片与 all-reduce"),
     "moe-routing": ("moe.topk_ids / moe.tokens_per_expert", "MoE routing (top-k experts per token)", "MoE 路由（每个 token 的 top-k 专家）"),
+    "abort": ("abort", "Abort (a client gone, a stop string)", "中止（客户端离开、stop 字符串）"),
     "expert-parallel": ("moe.expert_map / moe.local_tokens_per_expert", "Expert parallelism (experts placed on ranks)", "专家并行（专家分布到各 rank）"),
+    "spec-decode": ("spec_verify.requests / spec_proposal.proposed", "Speculative decoding (drafts proposed, verified, rolled back)",
+                    "投机解码（草稿的提出、验证与回滚）"),
 }
 
 

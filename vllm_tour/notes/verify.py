@@ -13,6 +13,11 @@ file sits apart from the notes, which `annotations` loads from annotations/*.tom
 
 Each scenario runs once on the installed upstream engine (cached by scenario
 content, shared with `compare` and the tests); every claim on it is then checked.
+
+`scenario = "serve"` is no scenario file but a `vllm-tour serve` run a client drove (claims on the serving
+path: the front end's records against the engine's). verify cannot drive a server: it checks those claims on
+the serve run kept under traces/golden/proofs/<pin>/serve (recorded by tests/test_serve.py), or on a run you
+served yourself (`--run RUN`); tests/test_serve.py checks them on the run its own server leaves.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import json
 import os
 import sys
 import tomllib
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -34,10 +39,12 @@ from rich.table import Table
 from vllm_tour.errors import TourError
 from vllm_tour.notes import proofs
 from vllm_tour.notes.annotations import LANGS, all_notes, load_all
+from vllm_tour.notes.proofs.requirements import requirements
 from vllm_tour.paths import ANNOTATIONS_DIR, GOLDEN_DIR, SCENARIOS_DIR
 from vllm_tour.upstream import pins
 
 PROOFS_DIR = ANNOTATIONS_DIR / "proofs"
+SERVE = "serve"  # the "scenario" of claims checked on a `vllm-tour serve` run, not a file in SCENARIOS_DIR
 CHECKS = {name: fn for mod in proofs.MODULES for name, fn in vars(mod).items()
           if inspect.isfunction(fn) and fn.__module__ == mod.__name__ and not name.startswith("_")}
 
@@ -47,11 +54,13 @@ class Proof(BaseModel):
 
     scenario: str
     check: str
-    claim: dict[str, str]
+    claim: dict[str, str] | None = None  # None: another release's file keeping the default pin's claim
 
     @field_validator("claim")
     @classmethod
-    def _bilingual(cls, v: dict[str, str]) -> dict[str, str]:
+    def _bilingual(cls, v: dict[str, str] | None) -> dict[str, str] | None:
+        if v is None:
+            return v
         missing = [lang for lang in LANGS if not v.get(lang, "").strip()]
         if missing:
             raise ValueError(f"missing claim language(s) {missing}")
@@ -67,10 +76,12 @@ class Verdict:
     holds: bool
     step: int | None
     evidence: str
+    requires: tuple[str, ...] = ()  # what the run must show, as the check fails without it (proofs/requirements.py)
 
 
-def load_proofs(path: Path) -> dict[str, Proof]:
-    """Note id -> Proof; TourError for a malformed file, an unknown note, scenario or check."""
+def load_proofs(path: Path, claims: bool = True) -> dict[str, Proof]:
+    """Note id -> Proof; TourError for a malformed file, an unknown note, scenario or check, and (claims) an
+    entry without its claim."""
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except OSError as e:
@@ -90,18 +101,38 @@ def load_proofs(path: Path) -> dict[str, Proof]:
             raise TourError(f"{where}: {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
         if note_id not in notes:
             raise TourError(f"{where}: no note with id '{note_id}' in {ANNOTATIONS_DIR}")
-        if not (SCENARIOS_DIR / f"{proof.scenario}.toml").is_file():
+        if proof.scenario != SERVE and not (SCENARIOS_DIR / f"{proof.scenario}.toml").is_file():
             raise TourError(f"{where}: no scenario '{proof.scenario}' in {SCENARIOS_DIR}")
         if proof.check not in CHECKS:
             raise TourError(f"{where}: no check '{proof.check}' in {proofs.__name__}")
+        if claims and proof.claim is None:
+            raise TourError(f"{where}: claim: Field required")
         out[note_id] = proof
     return out
 
 
 def proofs_for_pin(pin: str) -> dict[str, Proof]:
-    """The pin's proofs ({} when it has none): what the site marks as proven."""
-    path = PROOFS_DIR / f"{pin}.toml"
-    return load_proofs(path) if path.is_file() else {}
+    """Note id -> Proof on `pin`: the default CPU pin's file as it is; for another release, the default pin's
+    claims on the notes that say the same there (no text of the release's own, not hidden there), then the
+    release's own file (annotations/proofs/<pin>.toml, if any): the claims of its own text, and other scenarios
+    where the default's does not make the case happen on it (an entry without a claim keeps the default's)."""
+    default = pins.default_pin("cpu")
+    own_path = PROOFS_DIR / f"{pin}.toml"
+    own = load_proofs(own_path, claims=pin == default) if own_path.is_file() else {}
+    if pin == default:
+        return own
+    base = load_proofs(PROOFS_DIR / f"{default}.toml")
+    notes = {n.id: n for n in all_notes(load_all())}
+    # Serve runs are recorded on the default pin only (the server probes are its own): no serve claim elsewhere.
+    table = {i: p for i, p in base.items()
+             if pin not in notes[i].variant and pin not in notes[i].not_on and p.scenario != SERVE}
+    for note_id, proof in own.items():
+        if proof.claim is None:
+            if note_id not in base:
+                raise TourError(f"{own_path.name} [{note_id}]: no claim, and {default} has none to keep")
+            proof = proof.model_copy(update={"claim": base[note_id].claim})
+        table[note_id] = proof
+    return table
 
 
 def check_pin_installed(pin: str) -> None:
@@ -127,20 +158,49 @@ def _by_scenario(selected: dict[str, Proof]) -> dict[str, list[str]]:
     return out
 
 
+def recorded_verdicts(pin: str, selected: dict[str, Proof]) -> list[Verdict]:
+    """The claims checked on the runs `--record` kept for `pin`; a scenario with no kept run is one error line."""
+    from vllm_tour.trace.reader import load_run
+
+    verdicts = []
+    for name, note_ids in _by_scenario(selected).items():
+        path = recorded_run(pin, name)
+        if not (path / "meta.json").is_file():
+            raise TourError(f"no run of {name} recorded on {pin} ({path}): record it where {pin} runs "
+                            f"(`annotations verify --pin {pin} --record`, or the GPU runner's trace step for v0.21.0)")
+        verdicts += check_claims(load_run(path), name, note_ids, selected)
+    return verdicts
+
+
 def check_claims(run, name: str, note_ids: list[str], selected: dict[str, Proof]) -> list[Verdict]:
     verdicts = []
     for note_id in note_ids:
         proof = selected[note_id]
+        needs = requirements(CHECKS[proof.check])
         try:
-            verdicts.append(Verdict(note_id, name, proof.check, proof.claim["en"], True, None, CHECKS[proof.check](run)))
+            verdicts.append(Verdict(note_id, name, proof.check, proof.claim["en"], True, None, CHECKS[proof.check](run), needs))
         except proofs.ClaimFailed as e:
-            verdicts.append(Verdict(note_id, name, proof.check, proof.claim["en"], False, e.step, e.evidence))
+            verdicts.append(Verdict(note_id, name, proof.check, proof.claim["en"], False, e.step, e.evidence, needs))
     return verdicts
+
+
+def serve_verdicts(run_path: str | Path, selected: dict[str, Proof]) -> list[Verdict]:
+    """The selected serve claims checked on one `vllm-tour serve` run (a directory, or a name `show` takes)."""
+    from vllm_tour.trace.reader import load_run
+
+    note_ids = [n for n, p in selected.items() if p.scenario == SERVE]
+    if not note_ids:
+        raise TourError("--run checks claims proven on a serve run, and none of the selected notes has one")
+    run = load_run(run_path)
+    if (run.meta.engine_args or {}).get("mode") != "serve":
+        raise TourError(f"{run.path} is not a `vllm-tour serve` run: --run checks the serving-path claims on one")
+    return check_claims(run, SERVE, note_ids, selected)
 
 
 def run_proofs(selected: dict[str, Proof], progress: Console, record_pin: str | None = None) -> list[Verdict]:
     """Each scenario's upstream run (cached), its claims checked; with record_pin, a run whose claims all hold is
-    kept, small and without tensors, as recorded_run(record_pin, scenario)."""
+    kept, small and without tensors, as recorded_run(record_pin, scenario). Serve claims are not here (verify
+    checks them on the kept serve run)."""
     from vllm_tour.compare.upstream import upstream_run_for
     from vllm_tour.engine.golden import write_golden
     from vllm_tour.scenario import load_scenario
@@ -173,33 +233,48 @@ def _stdout_to_stderr():
 
 
 def verify(console: Console, pin: str | None, note_ids: list[str], as_json: bool, proofs_path: Path | None,
-           record: bool = False) -> int:
-    """Exit code: 0 every claim holds, 1 some claim fails. record: keep each verified run (recorded_run)."""
+           record: bool = False, recorded: bool = False, run: str | Path | None = None) -> int:
+    """Exit code: 0 every claim holds, 1 some claim fails. record: keep each verified run (recorded_run);
+    recorded: check the claims on the runs kept for the pin instead of running its engine (a pin that cannot run
+    here: v0.21.0's CUDA engine); run: check the serve claims on that `vllm-tour serve` run, nothing else."""
     pin = pin or pins.active_pin_tag()
-    check_pin_installed(pin)
+    if not recorded and run is None:
+        check_pin_installed(pin)
+    table = load_proofs(proofs_path) if proofs_path else proofs_for_pin(pin)
     path = proofs_path or PROOFS_DIR / f"{pin}.toml"
-    table = load_proofs(path)
     unknown = [n for n in note_ids if n not in table]
     if unknown:
         raise TourError(f"no proof for note(s) {', '.join(unknown)} in {path}")
     selected = {n: table[n] for n in (note_ids or table)}
     record_pin = pin if record else None
-    if as_json:
-        with _stdout_to_stderr():
-            verdicts = run_proofs(selected, Console(stderr=True), record_pin)
+    served = {n: p for n, p in selected.items() if p.scenario == SERVE}
+    live = {n: p for n, p in selected.items() if p.scenario != SERVE}
+    if run is not None:
+        verdicts = serve_verdicts(run, selected)
+    elif recorded:
+        verdicts = recorded_verdicts(pin, selected)
     else:
-        verdicts = run_proofs(selected, console, record_pin)
+        progress = Console(stderr=True) if as_json else console
+        if served:
+            progress.print(f"[dim]{len(served)} serve claims: on the serve run kept in {recorded_run(pin, SERVE)} "
+                           f"(verify drives no server; --run RUN checks a serve run of yours)[/]")
+        with _stdout_to_stderr() if as_json else nullcontext():
+            verdicts = run_proofs(live, progress, record_pin) if live else []
+        verdicts += recorded_verdicts(pin, served) if served else []
     failed = [v for v in verdicts if not v.holds]
     if as_json:
         print(json.dumps({"proven": len(verdicts) - len(failed), "failed": len(failed),
                           "claims": [asdict(v) for v in verdicts]}, indent=2, ensure_ascii=False))
         return 1 if failed else 0
-    out = Table(title=f"annotations verify — {len(verdicts) - len(failed)} of {len(verdicts)} claims hold")
-    for col in ("note", "scenario", "verdict", "evidence"):
+    runs = (f"the serve run {run}" if run is not None else f"the runs recorded on {pin}" if recorded
+            else f"live {pin} runs")
+    out = Table(title=f"annotations verify — {len(verdicts) - len(failed)} of {len(verdicts)} claims hold on {runs}")
+    for col in ("note", "scenario", "verdict", "evidence (seen) · required"):
         out.add_column(col, overflow="fold")
     for v in verdicts:
         verdict = "[green]holds[/]" if v.holds else f"[red]FAILS[/] at step {v.step}" if v.step else "[red]FAILS[/]"
-        out.add_row(v.note, v.scenario, verdict, escape(v.evidence))
+        needs = "; ".join(n.removeprefix("the run never shows ") for n in v.requires)
+        out.add_row(v.note, v.scenario, verdict, escape(v.evidence) + f"\n[dim]required: {escape(needs)}[/]")
     console.print(out)
     for v in failed:
         where = f"step {v.step}" if v.step is not None else "the whole run"

@@ -13,14 +13,14 @@ import importlib.util
 import os
 
 from vllm_tour.errors import TourError
-from vllm_tour.probes import attention, capture, kv, maca, moe, runner, scheduler, server, tp
+from vllm_tour.probes import attention, capture, kv, maca, moe, runner, scheduler, server, spec_decode, tp
 from vllm_tour.probes.base import Probe, Resolved, install, resolve
 from vllm_tour.probes.run_env import PLATFORM_ENV, current_backend, current_level, current_pin, current_tp_size, serving
 from vllm_tour.trace import levels
 from vllm_tour.trace.writer import RECORDER
 
 # Order matters only for reading: scheduler side, then worker side.
-PROBES: list[Probe] = [*scheduler.PROBES, *kv.PROBES, *runner.PROBES, *attention.PROBES, *capture.PROBES, *tp.PROBES,
+PROBES: list[Probe] = [*scheduler.PROBES, *spec_decode.PROBES, *kv.PROBES, *runner.PROBES, *attention.PROBES, *capture.PROBES, *tp.PROBES,
                       *moe.PROBES, *maca.PROBES, *server.PROBES]
 PLATFORM_PACKAGES = {maca.PLATFORM: maca.PACKAGE}  # platform plugin -> the package it installs
 

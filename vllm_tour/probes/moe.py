@@ -18,6 +18,7 @@ The experts kernel differs per pin: the CPU's `CPUUnquantizedExperts` on v0.32.0
 
 from __future__ import annotations
 
+from vllm_tour.probes import tp
 from vllm_tour.probes.base import CPU_PINS, Probe
 from vllm_tour.trace.writer import RECORDER as R
 
@@ -137,9 +138,11 @@ def _reduce_before(self, states, *a, **kw):
     if max(self.moe_config.tp_size, self.moe_config.ep_size) > 1:
         # copied before the call: the CPU all-reduce sums in place
         R.keep_capture(f"moe_partial.layers.{_layer_id(self)}", states)
+    tp.enter_layer(self.layer_name)  # the TP all-reduce inside is this layer's (model.layers.<i>.mlp.experts)
 
 
 def _reduce_after(token, result, self, *a, **kw):
+    tp.leave_layer()
     R.keep_capture(f"moe_out.layers.{_layer_id(self)}", result)
 
 
@@ -147,8 +150,8 @@ reduce_final_output = Probe(
     name="moe.reduce_final_output",
     target=f"{RUNNER}._maybe_reduce_final_output",
     params=("self", "states", "trunc_size"),
-    records="the MoE output after the TP/EP all-reduce, and with TP/EP > 1 each rank's partial before it "
-            "(only with --capture)",
+    records="names the TP/EP all-reduce inside (probes/tp.py records it); the MoE output after it, and with "
+            "TP/EP > 1 each rank's partial before it (only with --capture)",
     pins=PINS,
     before=_reduce_before,
     after=_reduce_after,

@@ -48,6 +48,7 @@ def _execute_before(self, scheduler_output, *a, **kw):
     if R.worker_step == 0:
         R.rank = _tp_rank()
     R.worker_step += 1
+    R.segment_boundary(R.worker_step)
     R.in_execute = True
     R.runner_pending = {"step": R.worker_step, "num_tokens": scheduler_output.total_num_scheduled_tokens}
 

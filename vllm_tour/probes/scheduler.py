@@ -26,6 +26,7 @@ SCHED = "vllm.v1.core.sched.scheduler.Scheduler"
 
 def _schedule_before(self, *a, **kw):
     R.sched_step += 1
+    R.segment_boundary(R.sched_step)
     R.preempted = []
     running, waiting = self.get_request_counts()
     return time.perf_counter(), running, waiting

@@ -132,6 +132,7 @@ def _output_before(self, new_token_ids, pooling_output, finish_reason, stop_reas
         return
     del _LIVE[self.request_id]
     det = self.detokenizer
+    R.segment_boundary(None)
     R.write({  # a schema.ServerRequestRecord, as a dict
         "step": 0,
         "proc": R.proc_dict("frontend"),

@@ -13,7 +13,9 @@ the rank's un-gathered output shard as tp.column_out.<layer> (qkv_proj: [q_r; k_
 No record of its own: no collective runs there, the capture is the whole story.
 
 A collective does not know which layer called it: the row-parallel layer's and the embedding's forward
-set `_layer` for the all-reduce inside them (upstream prefixes, e.g. model.layers.0.mlp.down_proj).
+set `_layer` for the all-reduce inside them (upstream prefixes, e.g. model.layers.0.mlp.down_proj); the MoE
+runner's all-reduce is named by probes/moe.py's probe on the same call (`enter_layer`, e.g.
+model.layers.0.mlp.experts), since a target takes one probe.
 """
 
 from __future__ import annotations
@@ -92,14 +94,23 @@ weights_loaded = Probe(
 )
 
 
-def _enter(self, *a, **kw):
+def enter_layer(name: str) -> None:
+    """The collectives that run until leave_layer() are `name`'s."""
     if _world["size"] > 1:
-        _layer.append(getattr(self, "prefix", None) or _names.get(id(self), "?"))
+        _layer.append(name)
+
+
+def leave_layer() -> None:
+    if _world["size"] > 1 and _layer:
+        _layer.pop()
+
+
+def _enter(self, *a, **kw):
+    enter_layer(getattr(self, "prefix", None) or _names.get(id(self), "?"))
 
 
 def _leave(token, result, self, *a, **kw):
-    if _world["size"] > 1 and _layer:
-        _layer.pop()
+    leave_layer()
 
 
 row_parallel = Probe(

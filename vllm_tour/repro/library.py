@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from vllm_tour.engine.upstream_log import summary_line
 from vllm_tour.errors import TourError
 from vllm_tour.paths import SCENARIOS_DIR, TRACES_DIR
 from vllm_tour.scenario import load_scenario
@@ -77,6 +78,9 @@ def run_all(console: Console, paths: list[Path] | None = None) -> int:
             how = "scheduler only" if sc.mode == "scheduler" else "engine"
             console.print(f"[dim][{i}/{len(paths)}] {escape(sc.name)}: running on {here} ({how})…[/]")
             res = run_repro(path)
+            logged = summary_line(res.run_dir, failed=res.failure is not None)
+            if logged:
+                console.print(f"[dim]      {escape(logged)}[/]", soft_wrap=True)
             mark = "" if res.as_declared else " [bold red](declared " + sc.declared_verdict(here) + ")[/]"
             colour = "green" if res.as_declared else "red"
             cells[here] = f"[{colour}]{res.verdict}[/]{mark}"

@@ -24,6 +24,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
+from vllm_tour.engine.upstream_log import summary_line
 from vllm_tour.errors import TourError
 from vllm_tour.repro.expect_sched import Check, scheduling_checks
 from vllm_tour.scenario import ExpectSpec, Scenario, load_scenario
@@ -375,6 +376,9 @@ def render(res: ReproResult, console: Console, path: Path | str) -> None:
                   + ("; scheduler only (sched_harness: no model)" if sc.mode == "scheduler" else ""))
     outcome = f"engine FAILED: {res.failure.splitlines()[0]}" if res.failure else "engine finished"
     console.print(f"  run {escape(str(res.run_dir))} — {len(res.run.steps)} traced steps on {res.pin}, {escape(outcome)}")
+    logged = summary_line(res.run_dir, failed=res.failure is not None)
+    if logged:
+        console.print(f"  [dim]{escape(logged)}[/]", soft_wrap=True)
     for c in res.checks:
         mark = "[green]✓ met    [/]" if c.ok else "[red]✗ NOT MET[/]"
         console.print(f"  {mark} {escape(c.key)}")

@@ -19,6 +19,7 @@ from pygments.lexers import PythonLexer
 
 from vllm_tour.notes.annotations import LANGS, Subsystem, all_notes, caution_text
 from vllm_tour.notes.concepts import CONCEPTS
+from vllm_tour.notes.glossary import FirstUse, load_glossary
 from vllm_tour.notes.locate import Placement, locate
 from vllm_tour.notes.resolve import NotFound, SourceTree
 from vllm_tour.site.markup import both, esc
@@ -29,13 +30,17 @@ _UI = {
            "whole": "on the whole symbol", "probes": "probes", "see": "see", "prev": "previous", "next": "next",
            "on_page": "Notes on this page", "folded": "lines without notes", "loop": "One engine step",
            "proven": "proven on a live run of", "traces": "Traces, step by step",
-           "repros": "Reproduced upstream issues", "repros_page": "The repro library: verdict per pin, notes on the code"},
+           "repros": "Reproduced upstream issues", "repros_page": "The repro library: verdict per pin, notes on the code",
+           "glossary": "Glossary", "glossary_page": "The terms the notes use, and their one Chinese rendering",
+           "term": "term", "rendering": "Chinese", "meaning": "meaning", "not": "never written"},
     "zh": {"journey": "请求的旅程", "concepts": "从 trace 到代码", "notes": "条注解", "note": "条注解", "field": "trace 字段",
            "code": "代码", "back": "← 目录", "orphan": "在此 pin 上无法定位", "whole": "针对整个符号",
            "probes": "探针", "see": "参见", "prev": "上一页", "next": "下一页",
            "on_page": "本页注解", "folded": "行无注解的代码", "loop": "引擎的一步",
            "proven": "已在真实运行中验证：", "traces": "逐步查看 trace",
-           "repros": "复现的上游问题", "repros_page": "复现库：各 pin 的结论与相关代码的注解"},
+           "repros": "复现的上游问题", "repros_page": "复现库：各 pin 的结论与相关代码的注解",
+           "glossary": "术语表", "glossary_page": "注解所用的术语及其唯一的中文译法",
+           "term": "术语", "rendering": "中文", "meaning": "含义", "not": "不写作"},
 }
 
 _CSS = """
@@ -65,12 +70,22 @@ pre.code { margin:0; padding:.3rem 0; overflow-x:auto; font: 12.5px/1.5 ui-monos
 .note.orphan { border-left-color:#c00; }
 .note .head { font-size:.78rem; color:var(--muted); font-family: ui-monospace, Menlo, monospace; }
 .note .body p { margin:.35rem 0; }
-.note code, li code { background:#f1efe8; padding:0 .25em; border-radius:3px; font-size:.9em; }
+.note code, li code, table.repros td div code { background:#f1efe8; padding:0 .25em; border-radius:3px; font-size:.9em; }
 .tags { font-size:.8rem; color:var(--muted); margin-top:.3rem; }
 .tags a { margin-right:.5em; }
 .proven { color:#1d6b2f; font-weight:600; }
 table.trace td:first-child { color: var(--muted); width: 3em; } .ev-preemption { color:#b00; font-weight:600; }
-.ev-prefix-hit { color:#1d6b2f; } .ev-eviction { color:#8a5a00; }
+.ev-prefix-hit { color:#1d6b2f; } .ev-eviction { color:#8a5a00; } .ev-finish { color:#1f4e8a; font-weight:600; }
+ul.jumps { margin:.4rem 0 .8rem; padding-left:1.2rem; } ul.jumps a { white-space:nowrap; }
+tr.folded > td { padding:0; } tr.folded table.trace { margin:0; background:#faf9f5; }
+details.steps > summary { cursor:pointer; color:var(--muted); padding:.35rem .5rem; background:#f4f3ef; }
+details.blocks > summary { cursor:pointer; color:var(--muted); font-size:.85rem; }
+table.repros td div p { margin:0 0 .3rem; }
+table.grid { border-collapse:collapse; margin:.2rem 0; font: 12px ui-monospace, Menlo, monospace; }
+table.grid th, table.grid td { border:1px solid var(--line); padding:.05rem .35rem; text-align:right; }
+.own-0 { background:#d9f2f7; } .own-1 { background:#f7d9f2; } .own-2 { background:#dcf5d6; } .own-3 { background:#fbf0c8; }
+.own-4 { background:#dbe3fb; } .own-5 { background:#fbdcd6; } .own-6 { background:#c9ece6; } .own-7 { background:#ecd6fb; }
+.own-8 { background:#e8f5c4; } .own-9 { background:#f9e2c2; } .own-10 { background:#d2d9ea; } .own-11 { background:#f1d4dc; }
 .sub { margin: 1.4rem 0; padding: .8rem 1rem; background:var(--card); border:1px solid var(--line); border-radius:8px; }
 .sub h3 { margin:.1rem 0 .4rem; } .sub ul { margin:.3rem 0; }
 .step { display:inline-block; min-width:1.8em; color:var(--acc); font-weight:700; }
@@ -171,7 +186,7 @@ class _Links:
         return f'<a class="internal" href="{esc(h)}" title="{esc(target)}">{label}</a>' if h else f"<code>{esc(target)}</code>"
 
 
-def _note_card(i: int, p: Placement, links: _Links, pin: str) -> str:
+def _note_card(i: int, p: Placement, links: _Links, pin: str, gloss: FirstUse) -> str:
     n = p.note
     where = f"L{p.span.start}–{p.span.end}" if p.ok and n.anchor else _ui("whole")
     head = f"[{i}] {esc(n.id)} · {where}"
@@ -194,7 +209,7 @@ def _note_card(i: int, p: Placement, links: _Links, pin: str) -> str:
     if n.caution:
         orphan += '<div class="caution">⚠ ' + both({lang: caution_text(n, lang, pin) for lang in LANGS}) + "</div>"
     return (f'<div class="note{" orphan" if not p.ok else ""}" id="note-{esc(n.id)}"><div class="head">{head}</div>'
-            f'{orphan}{both({"en": n.en, "zh": n.zh}, "div", md=True, cls="body")}'
+            f'{orphan}{both({"en": n.en, "zh": gloss(n.zh)}, "div", md=True, cls="body")}'
             f'<div class="tags">{" · ".join(tags)}</div></div>')
 
 
@@ -273,7 +288,9 @@ def symbol_page(tree: SourceTree, qualname: str, sub: Subsystem, pin: str, links
     try:
         symbol = tree.resolve(qualname)
     except NotFound as e:
-        cards = "".join(_note_card(i, Placement(n, None, None, problem=e.why), links, pin) for i, n in enumerate(notes, 1))
+        gloss = FirstUse()
+        cards = "".join(_note_card(i, Placement(n, None, None, problem=e.why), links, pin, gloss)
+                        for i, n in enumerate(notes, 1))
         return _page(qualname, f'<a class="internal" href="../index.html">{_ui("back")}</a><h1>{esc(qualname)}</h1>',
                      f'<div class="notes">{cards}</div>', "../")
     places = [locate(n, tree, symbol) for n in notes]
@@ -287,6 +304,7 @@ def symbol_page(tree: SourceTree, qualname: str, sub: Subsystem, pin: str, links
     # Rows start where a note's anchor starts; a row's notes sit beside its first lines.
     starts = sorted({symbol.span.start} | {p.span.start for _, p in inline})
     rows = []
+    gloss = FirstUse()  # each glossary term's first use on the page gets its English
     for k, s in enumerate(starts):
         e = starts[k + 1] - 1 if k + 1 < len(starts) else symbol.span.end
         cards = [(i, p) for i, p in inline if p.span.start == s]
@@ -298,7 +316,7 @@ def symbol_page(tree: SourceTree, qualname: str, sub: Subsystem, pin: str, links
         if symbol.span.end - symbol.span.start < FOLD_SYMBOLS_OVER:
             keep = set(range(s, e + 1))
         code = _fold(lines[s - symbol.span.start : e - symbol.span.start + 1], s, keep)
-        notes_html = "".join(_note_card(i, p, links, pin) for i, p in cards)
+        notes_html = "".join(_note_card(i, p, links, pin, gloss) for i, p in cards)
         rows.append(f'<div class="row{"" if cards else " plain"}"><div class="codecol">{code}</div>'
                     f'<div class="notes">{notes_html}</div></div>')
     rel = symbol.path.relative_to(tree.root.parent).as_posix()
@@ -332,6 +350,7 @@ def _loop(links: _Links) -> str:
 
 def index_page(subs: list[Subsystem], pin: str, links: _Links) -> str:
     parts = [_loop(links), f'<h2>{_ui("journey")}</h2>']
+    gloss = FirstUse()
     for k, sub in enumerate(subs, 1):
         items = []
         for q in sub.symbols():
@@ -339,7 +358,7 @@ def index_page(subs: list[Subsystem], pin: str, links: _Links) -> str:
             items.append(f'<li><a class="internal sym" href="sym/{esc(page_name(q))}"><code>{esc(q)}</code></a> '
                          f'<span class="muted">{n} {_ui("notes") if n > 1 else _ui("note")}</span></li>')
         parts.append(f'<section class="sub" id="sub-{esc(sub.name)}"><h3><span class="step">{k}</span>'
-                     f'{both(sub.title)}</h3>{both(sub.intro, "div", md=True)}<ul>{"".join(items)}</ul></section>')
+                     f'{both(sub.title)}</h3>{both({"en": sub.intro["en"], "zh": gloss(sub.intro["zh"])}, "div", md=True)}<ul>{"".join(items)}</ul></section>')
     parts.append(f'<h2 id="concepts">{_ui("concepts")}</h2><table class="concepts"><tr><th></th>'
                  f'<th>{_ui("field")}</th><th>{_ui("code")}</th></tr>')
     notes = all_notes(subs)
@@ -353,9 +372,21 @@ def index_page(subs: list[Subsystem], pin: str, links: _Links) -> str:
         items = "".join(f'<li><a class="internal" href="{esc(h)}">{esc(name)}</a></li>' for name, h in links.traces.items())
         parts.append(f'<h2 id="traces">{_ui("traces")}</h2><ul>{items}</ul>')
     parts.append(f'<h2 id="repros">{_ui("repros")}</h2><p><a class="internal" href="repros.html">{_ui("repros_page")}</a></p>')
+    parts.append(f'<h2 id="glossary">{_ui("glossary")}</h2><p><a class="internal" href="glossary.html">{_ui("glossary_page")}</a></p>')
     head = (f'<h1>vllm-tour</h1><span class="pin">pin {esc(pin)} · {len(notes)} '
             f'{_ui("notes")}</span>')
     return _page(f"vllm-tour — pin {pin}", head, "".join(parts), "")
+
+
+def glossary_body() -> str:
+    """The glossary as a table: each term, its one Chinese rendering, the renderings the lint refuses, its meaning."""
+    rows = []
+    for t in sorted(load_glossary(), key=lambda t: t.en.lower()):
+        avoid = "、".join(esc(a) for a in t.avoid) or "—"
+        rows.append(f'<tr id="term-{esc(t.en.replace(" ", "-"))}"><td>{esc(t.en)}</td><td lang="zh">{esc(t.zh)}</td>'
+                    f'<td>{both({"en": t.en_def, "zh": t.zh_def})}</td><td>{avoid}</td></tr>')
+    head = "".join(f"<th>{_ui(k)}</th>" for k in ("term", "rendering", "meaning", "not"))
+    return f'<table class="concepts glossary"><tr>{head}</tr>{"".join(rows)}</table>'
 
 
 def write_site(out: Path, tree: SourceTree, subs: list[Subsystem], pin: str, status=lambda msg: None) -> Path:
@@ -391,6 +422,8 @@ def write_site(out: Path, tree: SourceTree, subs: list[Subsystem], pin: str, sta
     (out / "repros.html").write_text(_page("vllm-tour — repros", f'<a class="internal" href="index.html">{_ui("back")}</a>'
                                            f'<h1>{_ui("repros")}</h1>', repros_body(lambda nid: links.href(nid, "")), ""),
                                      encoding="utf-8")
+    (out / "glossary.html").write_text(_page("vllm-tour — glossary", f'<a class="internal" href="index.html">{_ui("back")}</a>'
+                                             f'<h1>{_ui("glossary")}</h1>', glossary_body(), ""), encoding="utf-8")
     index = out / "index.html"
     index.write_text(index_page(subs, pin, links), encoding="utf-8")
     return index

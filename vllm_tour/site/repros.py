@@ -15,6 +15,7 @@ from vllm_tour.scenario import load_scenario
 from vllm_tour.site.markup import both, esc
 
 GITHUB = "https://github.com/vllm-project/vllm"
+VERDICT_ZH = {"REPRODUCED": "已复现", "NOT REPRODUCED": "未复现"}
 
 
 def _measured(name: str, pin: str) -> str | None:
@@ -37,12 +38,13 @@ def repros_body(note_href) -> str:
             declared = sc.declared_verdict(pin)
             measured = _measured(sc.name, pin)
             ran = f" ({both({'en': 'run on an H200', 'zh': '在 H200 上运行'})})" if measured == declared else ""
-            verdicts.append(f"<code>{esc(pin)}</code> {esc(declared)}{ran}")
+            verdicts.append(f"<code>{esc(pin)}</code> {both({'en': declared, 'zh': VERDICT_ZH[declared]})}{ran}")
         notes = " ".join(f'<a class="internal" href="{esc(note_href(n))}"><code>{esc(n)}</code></a>' for n in sc.notes)
         rel = path.relative_to(path.parents[2]).as_posix()
         rows.append(f'<tr id="repro-{esc(sc.name)}"><td><code>{esc(sc.name)}</code><br><span class="muted">'
                     f'<code>vllm-tour repro {esc(rel)}</code></span></td><td>{refs}</td><td>{"<br>".join(verdicts)}</td>'
-                    f'<td>{esc(sc.description)}</td><td>{notes or "—"}</td></tr>')
+                    f'<td>{both({"en": sc.description, "zh": sc.description_zh or sc.description}, "div", md=True)}</td>'
+                    f'<td>{notes or "—"}</td></tr>')
     head = [{"en": "repro", "zh": "复现"}, {"en": "upstream", "zh": "上游"}, {"en": "verdict per pin", "zh": "各 pin 的结论"},
             {"en": "what it shows", "zh": "它展示了什么"}, {"en": "notes on the code", "zh": "相关代码的注解"}]
     return (f'<p class="muted"><code>vllm-tour repro --all</code></p><table class="concepts repros"><tr>'

@@ -4,14 +4,20 @@ A process killed mid-write leaves at most one partial line at the end of its
 file: that line is skipped with a warning. A run that did not finish (no
 outputs.json, meta status "running") still loads — its steps are whatever was
 flushed.
+
+A window of steps (`load_run(path, steps=(a, b))`, or a time range) reads only the segments that
+index.jsonl says overlap it (see trace/writer.py), and of their lines validates only the window's: the
+lines before it are read just far enough to carry the block tables forward.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
 from pydantic import TypeAdapter, ValidationError
 
 from vllm_tour.errors import TourError
@@ -32,11 +38,14 @@ from vllm_tour.trace.schema import (
     RunnerRecord,
     SchedulerRecord,
     ServerRequestRecord,
+    SpecProposalRecord,
+    SpecVerifyRecord,
     TPShardsRecord,
 )
-from vllm_tour.trace.writer import LATEST_NAME
+from vllm_tour.trace.writer import INDEX_NAME, LATEST_NAME
 
 _RECORD = TypeAdapter(Record)
+_WINDOW = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*-\s*(\d+(?:\.\d*)?)\s*$")  # "A-B"
 
 
 @dataclass
@@ -51,6 +60,8 @@ class Step:
     errors: list[ProbeErrorRecord] = field(default_factory=list)
     moe: dict[int, list[MoERecord]] = field(default_factory=dict)  # by TP/EP rank, in layer order
     aborts: list[AbortRecord] = field(default_factory=list)  # requests the engine dropped during this step
+    spec_verify: SpecVerifyRecord | None = None  # speculative decoding: the drafts this step verified
+    spec_proposal: SpecProposalRecord | None = None  # and the drafts proposed after it, for the next step
 
 
 @dataclass
@@ -65,6 +76,10 @@ class Run:
     replaced_targets: list[ProbeTargetRecord] = field(default_factory=list)  # probe targets another plugin replaced
     # `serve` runs: each engine request as the OpenAI server's front end saw it, in the order they ended
     server_requests: list[ServerRequestRecord] = field(default_factory=list)
+    window: tuple[int, int] | None = None  # (first, last) step asked for: `steps` holds only those
+    # A window's next step (None: the run has none): its scheduler record's `finished` says which
+    # requests the window's last step finished.
+    next_step: Step | None = None
 
     @property
     def finished(self) -> bool:
@@ -166,16 +181,82 @@ def _read_json(path: Path, what: str):
         raise TourError(f"cannot read {path}: {e}") from None
 
 
-def read_records(path: Path, warnings: list[str]) -> list:
+class _ProcRank(msgspec.Struct):
+    rank: int = 0
+
+
+class _KVTables(msgspec.Struct):
+    """The fields of a KV record that carry its block tables (decoded without the rest, or any validation)."""
+
+    step: int
+    kind: str
+    proc: _ProcRank
+    block_tables: dict[str, list[int]]
+    block_tables_since: int | None = None
+
+
+class _AttentionRows(msgspec.Struct):
+    step: int
+    kind: str
+    proc: _ProcRank
+    num_reqs: int
+    block_table: list[list[int]]
+    block_table_since: int | None = None
+    block_table_rows: list[int] | None = None
+
+
+_KV_TABLES = msgspec.json.Decoder(_KVTables)
+_ATTENTION_ROWS = msgspec.json.Decoder(_AttentionRows)
+
+
+class _Head(msgspec.Struct):
+    """What a time window needs of a record: its step, kind and (scheduler records) time."""
+
+    step: int
+    kind: str
+    time: float | None = None
+
+
+_HEAD = msgspec.json.Decoder(_Head)
+_STEP_PREFIX = b'{"step":'  # every writer puts `step` first (schema._Record's first field)
+
+
+def _line_step(line: bytes) -> int | None:
+    """A line's step, read off its first bytes (None: not in the writers' form; validate the line)."""
+    if line.startswith(_STEP_PREFIX):
+        end = line.find(b",", len(_STEP_PREFIX))
+        digits = line[len(_STEP_PREFIX) : end]
+        if digits.isdigit():
+            return int(digits)
+    return None
+
+
+def read_records(path: Path, warnings: list[str], steps: tuple[int, int] | None = None) -> list:
+    """The records of one file, block tables expanded; `steps` (a, b): only those of steps a..b."""
     try:
-        lines = path.read_text(encoding="utf-8", errors="replace").split("\n")
+        lines = path.read_bytes().split(b"\n")
     except OSError as e:
         raise TourError(f"cannot read {path}: {e}") from None
-    if lines and lines[-1] == "":
+    if lines and lines[-1] == b"":
         lines.pop()
     records = []
     tables = _Tables()
     for i, line in enumerate(lines, 1):
+        step = _line_step(line) if steps is not None else None
+        if step is not None and not steps[0] <= step <= steps[1]:
+            # Outside the window: only a block-table record before it is read, as the base of later deltas.
+            decoder = None
+            if step < steps[0]:
+                decoder = _KV_TABLES if b'"kind":"kv"' in line else _ATTENTION_ROWS if b'"kind":"attention"' in line else None
+            if decoder is not None:
+                try:
+                    tables.expand(decoder.decode(line))
+                except (msgspec.ValidationError, msgspec.DecodeError):
+                    tables.lost_lines = True  # the full read warns about it when the window holds it
+                except ValueError as e:
+                    raise TourError(f"{path}:{i}: {e}") from None
+            continue
+        line = line.decode("utf-8", errors="replace")
         try:
             rec = _RECORD.validate_json(line)
         except ValidationError as e:
@@ -208,7 +289,8 @@ class _Tables:
         self._warned: set = set()
 
     def expand(self, rec) -> None:
-        if isinstance(rec, KVRecord):
+        """Fill in a record's block tables from its delta (a schema record, or a _KVTables / _AttentionRows)."""
+        if rec.kind == "kv":
             if rec.block_tables_since is not None:
                 full = dict(self._base(self.kv, rec, rec.block_tables_since))
                 for rid, table in rec.block_tables.items():
@@ -218,7 +300,7 @@ class _Tables:
                         full.pop(rid, None)
                 rec.block_tables, rec.block_tables_since = full, None
             self.kv[rec.proc.rank] = (rec.step, rec.block_tables)
-        elif isinstance(rec, AttentionRecord):
+        elif rec.kind == "attention":
             if rec.block_table_since is not None:
                 rows = list(self._base(self.attn, rec, rec.block_table_since)[: rec.num_reqs])
                 rows += [[] for _ in range(rec.num_reqs - len(rows))]
@@ -258,10 +340,130 @@ def _missing_rank_steps(steps: list[Step]) -> list[str]:
     return out
 
 
-def load_run(path: str | Path) -> Run:
-    """Load a run directory (or a name: see find_run). Bad or missing files are TourErrors."""
+def parse_window(text: str, option: str, whole: bool) -> tuple:
+    """"A-B" -> (A, B) with 0 <= A <= B, ints when `whole`; anything else is a TourError naming `option`."""
+    m = _WINDOW.match(text)
+    if not m or (whole and not (m[1].isdigit() and m[2].isdigit())):
+        raise TourError(f"{option} {text!r}: give a range FIRST-LAST of {'step numbers' if whole else 'seconds'}, "
+                        f"e.g. {'1000-1100' if whole else '60-90.5'}")
+    a, b = (int(m[1]), int(m[2])) if whole else (float(m[1]), float(m[2]))
+    if b < a:
+        raise TourError(f"{option} {text}: the range ends before it starts")
+    return a, b
+
+
+def read_index(path: Path) -> dict[str, dict]:
+    """index.jsonl: segment file name -> its latest entry (an open segment's last_step is None).
+    A line that is not an entry (a writer killed mid-line) is skipped: its segment is then read in full."""
+    entries = {}
+    try:
+        lines = (path / INDEX_NAME).read_bytes().splitlines()
+    except FileNotFoundError:
+        return {}
+    except OSError as e:
+        raise TourError(f"cannot read {path / INDEX_NAME}: {e}") from None
+    for line in lines:
+        try:
+            entry = json.loads(line)
+            entries[entry["file"]] = entry
+        except (ValueError, KeyError, TypeError):
+            continue
+    return entries
+
+
+def _overlaps(entry: dict | None, first: str, last: str, lo: float, hi: float) -> bool:
+    """Whether a segment's [first, last] range meets [lo, hi]; no entry, or no last yet: read it."""
+    if entry is None or entry.get(first) is None:
+        return True
+    return entry[first] <= hi and (entry.get(last) is None or entry[last] >= lo)
+
+
+def _records_files(path: Path, index: dict[str, dict], key: tuple[str, str] | None = None,
+                   window: tuple[float, float] | None = None) -> list[Path]:
+    files = sorted(path.glob("records.*.jsonl"))
+    if window is None:
+        return files
+    return [f for f in files if _overlaps(index.get(f.name), *key, *window)]
+
+
+def steps_between(path: str | Path, seconds: tuple[float, float]) -> tuple[int, int]:
+    """The first and last step scheduled between `seconds` (t0, t1) after the run started (its meta.json)."""
     path = find_run(path)
-    warnings: list[str] = []
+    return _steps_between(path, _meta(path), read_index(path), seconds)
+
+
+def _steps_between(path: Path, meta: RunMeta, index: dict[str, dict], seconds: tuple[float, float]) -> tuple[int, int]:
+    """The first and last step whose scheduler record's time lies `seconds` (since the run started) in."""
+    if not meta.started:
+        raise TourError(f"{path.name} keeps no wall times (a golden run's are zeroed): give a window of steps instead")
+    lo, hi = meta.started + seconds[0], meta.started + seconds[1]
+    found = []
+    for f in _records_files(path, index, ("first_time", "last_time"), (lo, hi)):
+        try:
+            lines = f.read_bytes().split(b"\n")
+        except OSError as e:
+            raise TourError(f"cannot read {f}: {e}") from None
+        for line in lines:
+            if b'"kind":"scheduler"' not in line:
+                continue
+            try:
+                head = _HEAD.decode(line)
+            except (msgspec.ValidationError, msgspec.DecodeError):
+                continue  # a truncated last line: the full read warns about it
+            if head.kind == "scheduler" and lo <= head.time <= hi:
+                found.append(head.step)
+    if not found:
+        raise TourError(f"no step of {path.name} was scheduled {seconds[0]:g}-{seconds[1]:g} s after the run "
+                        f"started ({_extent(path, index)})")
+    return min(found), max(found)
+
+
+def last_step(path: Path, index: dict[str, dict]) -> int | None:
+    """The last step recorded, from the index and the ends of the segments still being written
+    (None: no index, or no step yet)."""
+    last = [e["last_step"] for e in index.values() if e.get("last_step") is not None]
+    for name, entry in index.items():
+        if entry.get("last_step") is None:
+            last += _steps_at_end(path / name)
+    return max(last, default=None)
+
+
+TAIL_BYTES = 1 << 16  # the end of a segment read to find its last step: many records' worth
+
+
+def _steps_at_end(path: Path) -> list[int]:
+    try:
+        with open(path, "rb") as f:
+            start = f.seek(max(0, f.seek(0, 2) - TAIL_BYTES))
+            lines = f.read().split(b"\n")
+    except OSError:
+        return []
+    lines = lines[1 if start else 0 : -1]  # whole lines only: the first may be cut, the last still being written
+    return [s for s in map(_line_step, lines) if s is not None]
+
+
+def load_tail(path: str | Path, steps: int) -> Run:
+    """The last `steps` steps of a run, read from the segments that hold them (a run without index.jsonl,
+    or without steps yet, is read whole)."""
+    path = find_run(path)
+    last = last_step(path, read_index(path))
+    if last is None or last < 1:
+        return load_run(path)
+    return load_run(path, steps=(max(1, last - steps + 1), last))
+
+
+def _extent(path: Path, index: dict[str, dict]) -> str:
+    """The run's steps, as the index knows them (else as a full read finds them)."""
+    if index:
+        first = min(e["first_step"] for e in index.values())
+        lasts = [e["last_step"] for e in index.values()]
+        last = max(x for x in lasts if x is not None) if any(x is not None for x in lasts) else first
+        return f"it has steps {first}..{last}{' and more being written' if None in lasts else ''}"
+    steps = load_run(path).steps
+    return f"it has steps {steps[0].index}..{steps[-1].index}" if steps else "it has no steps"
+
+
+def _meta(path: Path) -> RunMeta:
     meta_data = _read_json(path / "meta.json", "meta.json")
     try:
         meta = RunMeta.model_validate(meta_data)
@@ -269,6 +471,18 @@ def load_run(path: str | Path) -> Run:
         raise TourError(f"{path / 'meta.json'}: invalid ({e.errors()[0]['loc']}: {e.errors()[0]['msg']})") from None
     if meta.schema_version > SCHEMA_VERSION:
         raise TourError(f"{path} was written with trace schema {meta.schema_version}; this vllm-tour reads up to {SCHEMA_VERSION}")
+    return meta
+
+
+def load_run(path: str | Path, steps: tuple[int, int] | None = None, seconds: tuple[float, float] | None = None) -> Run:
+    """Load a run directory (or a name: see find_run). Bad or missing files are TourErrors.
+
+    `steps` (a, b): only steps a..b (and Run.next_step, step b + 1); `seconds` (t0, t1): only the steps
+    scheduled between t0 and t1 seconds after the run started. Either reads only the records files whose
+    index entry overlaps the window; a window with no step in the run is a TourError."""
+    path = find_run(path)
+    warnings: list[str] = []
+    meta = _meta(path)
     outputs = None
     if (path / "outputs.json").exists():
         try:
@@ -282,17 +496,21 @@ def load_run(path: str | Path) -> Run:
     elif meta.status == "interrupted":
         warnings.append("the run was interrupted (Ctrl-C): showing the steps it flushed")
 
-    steps: dict[int, Step] = {}
+    index = read_index(path) if steps is not None or seconds is not None else {}
+    if seconds is not None:
+        steps = _steps_between(path, meta, index, seconds)
+    by_step: dict[int, Step] = {}
     errors: list[ProbeErrorRecord] = []
     tp_shards: dict[int, TPShardsRecord] = {}
     replaced: list[ProbeTargetRecord] = []
     served: list[ServerRequestRecord] = []
-    for f in sorted(path.glob("records.*.jsonl")):
-        for rec in read_records(f, warnings):
+    wanted = (steps[0], steps[1] + 1) if steps is not None else None  # the window and its next step
+    for f in _records_files(path, index, ("first_step", "last_step"), wanted):
+        for rec in read_records(f, warnings, wanted):
             if isinstance(rec, ServerRequestRecord):  # the front end counts no steps
                 served.append(rec)
                 continue
-            s = steps.setdefault(rec.step, Step(rec.step))
+            s = by_step.setdefault(rec.step, Step(rec.step))
             if isinstance(rec, SchedulerRecord):
                 s.scheduler = rec
             elif isinstance(rec, KVRecord):
@@ -312,18 +530,29 @@ def load_run(path: str | Path) -> Run:
                 errors.append(rec)
             elif isinstance(rec, AbortRecord):
                 s.aborts.append(rec)
+            elif isinstance(rec, SpecVerifyRecord):
+                s.spec_verify = rec
+            elif isinstance(rec, SpecProposalRecord):
+                s.spec_proposal = rec
             elif isinstance(rec, MoERecord):
                 s.moe.setdefault(rec.proc.rank, []).append(rec)
             elif isinstance(rec, ProbeTargetRecord):
                 replaced.append(rec)
                 warnings.append(f"probe {rec.probe}: its target {rec.target} is {rec.replaced_by} (another plugin "
                                 f"replaced it {rec.when.replace('_', ' ')}): the probe records that function")
-    if meta.engine_args.get("probes", True) and not steps and meta.status == "ok":
+    if meta.engine_args.get("probes", True) and not by_step and meta.status == "ok" and steps is None:
         warnings.append("no trace records: the probes did not record (was the vllm-tour plugin installed?)")
-    ordered = [steps[k] for k in sorted(steps)]
+    ordered = [by_step[k] for k in sorted(by_step)]
     # Step 0 only holds probe errors raised before the first schedule(): keep them, but not as a step.
     ordered = [s for s in ordered if s.index > 0 or s.scheduler or s.runner or s.aborts]
+    next_step = None
+    if steps is not None:
+        if ordered and ordered[-1].index == steps[1] + 1:
+            next_step = ordered.pop()
+        if not ordered:
+            raise TourError(f"steps {steps[0]}-{steps[1]} are not in {path.name} ({_extent(path, index)})")
+        errors = [e for e in errors if e.step <= steps[1]]
     served.sort(key=lambda r: r.finished_time)
     warnings += _missing_rank_steps(ordered)
     return Run(path=path, meta=meta, outputs=outputs, steps=ordered, errors=errors, warnings=warnings, tp_shards=tp_shards,
-               replaced_targets=replaced, server_requests=served)
+               replaced_targets=replaced, server_requests=served, window=steps, next_step=next_step)

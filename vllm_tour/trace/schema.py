@@ -126,6 +126,49 @@ class KVRecord(_Record):
     prefix_caching: bool
 
 
+# --- speculative decoding ------------------------------------------------------------
+
+
+class SpecProposalRecord(_Record):
+    """The drafts a proposer made after this step's tokens were sampled (upstream's EngineCore hands them to
+    Scheduler.update_draft_token_ids after the step): the scheduler schedules them for verification at the
+    next step, cut to what fits."""
+
+    kind: Literal["spec_proposal"] = "spec_proposal"
+    proposer: str  # speculative_config.method: ngram, eagle, draft_model, ...
+    proposed: dict[str, list[int]]  # req_id -> draft token ids, as the proposer returned them ([]: no match)
+    ignored: list[str]  # requests whose drafts the scheduler dropped (still prefilling, or finished)
+
+
+class SpecVerification(BaseModel):
+    """One request's drafts verified in one step (greedy: a draft is accepted while it equals the target's token)."""
+
+    req_id: str
+    num_computed_tokens: int  # before this step: the position of its first scheduled token (the last known token)
+    draft_token_ids: list[int]  # scheduled for verification, at positions num_computed_tokens + 1, + 2, ...
+    num_accepted: int  # the leading drafts the target model agreed with
+    # what the target produced: the accepted drafts, then one token of its own (upstream's "bonus" token when
+    # every draft was accepted, its correction at the first rejected position otherwise)
+    sampled_token_ids: list[int]
+    # KV slots written this step for the rejected drafts: they hold KV of tokens that are not in the sequence;
+    # num_computed_tokens is rolled back over them and the next steps write the real tokens' KV there
+    rejected_slots: list[int]
+    # blocks that hold no token of the sequence after the rollback, only rejected drafts: kept by the request
+    # (not freed), filled by its next tokens
+    rejected_only_blocks: list[int]
+
+
+class SpecVerifyRecord(_Record):
+    """Written by Scheduler.update_from_output for the steps that verified drafts."""
+
+    kind: Literal["spec_verify"] = "spec_verify"
+    num_speculative_tokens: int  # the most drafts a request gets per step
+    # KV slots the KV manager reserved past the scheduled tokens (allocate_slots(num_lookahead_tokens=...)):
+    # for a drafter that writes KV of its own (eagle); 0 for ngram, whose drafts are only token ids
+    num_lookahead_tokens: int
+    requests: list[SpecVerification]
+
+
 # --- model runner --------------------------------------------------------------
 
 
@@ -345,6 +388,8 @@ Record = Annotated[
         ProbeTargetRecord,
         AbortRecord,
         ServerRequestRecord,
+        SpecProposalRecord,
+        SpecVerifyRecord,
     ],
     Field(discriminator="kind"),
 ]

@@ -1,9 +1,16 @@
-"""The per-process trace writer: one JSON Lines file per process, flushed per record.
+"""The per-process trace writer: JSON Lines files per process, in segments, flushed per record.
 
 Every vLLM process of a traced run (front end, EngineCore, each worker) gets one
 `Recorder`. It is switched on by `activate()` — from the environment in child
 processes (the plugin), directly by `run_upstream` in-process — and holds the
 step counters and the small per-step scratch state the probes share.
+
+A process's records go to `records.<pid>.<segment>.jsonl` (segment 000000, 000001, ...). A segment
+closes at the first step boundary after it holds SEGMENT_STEPS_ENV steps or SEGMENT_BYTES_ENV bytes;
+the next one starts with full block tables (no delta reaches back into an older file), so each
+segment reads alone. `index.jsonl` (one per run) gets a line when a segment opens and when it closes:
+its file, first and last step, first and last wall time; a reader finds the segments of a window
+there without reading records.
 """
 
 from __future__ import annotations
@@ -11,10 +18,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 from pathlib import Path
 
 import msgspec
 
+from vllm_tour.errors import TourError
 from vllm_tour.trace import levels
 from vllm_tour.trace.schema import ProbeErrorRecord, ProbeTargetRecord, Proc
 
@@ -32,6 +41,12 @@ _SUFFIX = re.compile(r"-[0-9a-f]{8}$")
 # forked child.
 _PID = [os.getpid()]
 os.register_at_fork(after_in_child=lambda: _PID.__setitem__(0, os.getpid()))
+
+SEGMENT_STEPS_ENV = "VLLM_TOUR_SEGMENT_STEPS"  # steps per records segment
+SEGMENT_BYTES_ENV = "VLLM_TOUR_SEGMENT_BYTES"  # bytes per records segment
+SEGMENT_STEPS = 10_000  # ~13 MB at ~16 running requests (bench.long_run): a window reads one or two
+SEGMENT_BYTES = 64 << 20
+INDEX_NAME = "index.jsonl"
 
 MAX_CACHED_IDS = 4096  # more than a batch holds: cleared at most once per ~4,000 new requests
 
@@ -62,6 +77,17 @@ def parse_steps(spec: str) -> set[int] | None:
     return steps
 
 
+def segment_limits() -> tuple[int, int]:
+    """(steps, bytes) per records segment, from the environment (defaults SEGMENT_STEPS, SEGMENT_BYTES)."""
+    limits = []
+    for env, default in ((SEGMENT_STEPS_ENV, SEGMENT_STEPS), (SEGMENT_BYTES_ENV, SEGMENT_BYTES)):
+        value = os.environ.get(env) or str(default)
+        if not value.isdigit() or int(value) < 1:
+            raise TourError(f"{env}={value}: give a whole number above 0")
+        limits.append(int(value))
+    return limits[0], limits[1]
+
+
 class Recorder:
     def __init__(self) -> None:
         self.active = False
@@ -73,6 +99,11 @@ class Recorder:
         self._file = None
         self._pending: list[bytes] = []  # encoded lines of this step not yet written (see write)
         self._procs: dict[tuple, dict] = {}
+        self.segment_steps, self.segment_bytes = SEGMENT_STEPS, SEGMENT_BYTES
+        self._segment = 0  # number of the segment the next records go to
+        self._entry: dict | None = None  # its index entry, once its file is open
+        self._steps: list[int] = []  # first and last step of the records in it (pending ones included)
+        self._opened_at = 0.0  # wall time it began: activation or the boundary that closed the one before
         self.reset_counters()
 
     def reset_counters(self) -> None:
@@ -103,6 +134,8 @@ class Recorder:
         self.capture_steps = parse_steps(capture_steps)
         self.fault = fault or None
         self.level_rank = levels.rank(level)
+        self.segment_steps, self.segment_bytes = segment_limits()
+        self._segment, self._steps, self._opened_at = 0, [], time.time()
         self.reset_counters()
         self.active = True
 
@@ -123,10 +156,40 @@ class Recorder:
     def close(self) -> None:
         if self._pending and self.run_dir is not None:
             self.flush()
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        self._close_segment(time.time())
         self._pending = []
+
+    def segment_boundary(self, step: int | None) -> None:
+        """A point where a new segment may begin: before the first record of `step`, or (None) between two
+        records that belong to no step (the front end's). A full segment closes here, and the probes' block
+        tables start again from full ones, so that the next segment never needs this one to be read."""
+        if self._entry is None or not self._steps:
+            return
+        if step is not None and step <= self._steps[1]:
+            return  # this step has records in the segment already (in-process: the worker after the scheduler)
+        full = self._steps[1] - self._steps[0] + 1 >= self.segment_steps or self._entry["bytes"] >= self.segment_bytes
+        if not full:
+            return
+        self.flush()
+        self._close_segment(time.time())
+        self._segment += 1
+        self.kv_prev_step = None
+        self.attn_prev_table = None
+
+    def _close_segment(self, now: float) -> None:
+        if self._file is None:
+            return
+        self._file.close()
+        self._file = None
+        entry, self._entry = self._entry, None
+        entry.update(first_step=self._steps[0], last_step=self._steps[1], last_time=now)
+        self._append_index(entry)
+        self._steps, self._opened_at = [], now
+
+    def _append_index(self, entry: dict) -> None:
+        # One write() of one short line on an O_APPEND file: the processes of a run append whole lines.
+        with open(self.run_dir / INDEX_NAME, "ab", buffering=0) as f:
+            f.write(_encode(entry) + b"\n")
 
     def proc(self, role: str) -> Proc:
         return Proc(role=role, pid=_PID[0], rank=self.rank if role == "worker" else 0)
@@ -152,10 +215,20 @@ class Recorder:
         in one write() call. Lines are only ever written whole.
         """
         if isinstance(record, dict):
-            line = _encode(record)
+            line, step = _encode(record), record["step"]
         else:
-            line = record.model_dump_json().encode()
+            line, step = record.model_dump_json().encode(), record.step
         self._pending.append(line)
+        steps = self._steps
+        if not steps:
+            steps += (step, step)
+        elif step > steps[1]:
+            steps[1] = step
+        elif step < steps[0]:
+            steps[0] = step
+            if self._entry is not None:  # an older step's record after the segment's first (async scheduling)
+                self._entry["first_step"] = step
+                self._append_index(self._entry)
         if flush:
             self.flush()
 
@@ -165,13 +238,21 @@ class Recorder:
             return
         if self._file is None:
             assert self.run_dir is not None
-            path = self.run_dir / f"records.{os.getpid()}.jsonl"
+            name = f"records.{os.getpid()}.{self._segment:06d}.jsonl"
+            while (self.run_dir / name).exists():  # this process wrote to this run before (activated again)
+                self._segment += 1
+                name = f"records.{os.getpid()}.{self._segment:06d}.jsonl"
             # Unbuffered append, one write() per step: each record reaches the
             # file as a whole line at once, so a killed run leaves a readable trace.
-            self._file = open(path, "ab", buffering=0)
+            self._file = open(self.run_dir / name, "ab", buffering=0)
+            # last_step None: still being written (or its process was killed): it may hold any later step
+            self._entry = {"file": name, "first_step": self._steps[0], "last_step": None,
+                           "first_time": self._opened_at, "last_time": None, "bytes": 0}
+            self._append_index(self._entry)
         self._pending.append(b"")
         data, self._pending = b"\n".join(self._pending), []
         self._file.write(data)
+        self._entry["bytes"] += len(data)
 
     def probe_error(self, probe, error: Exception, tb: str) -> None:
         try:

@@ -70,6 +70,10 @@ class PinProfile(BaseModel):
     kv_layouts: dict[str, str] = {}  # backend -> axis order of its KV-cache tensor (CPU_ATTN: read at run time)
     note: str | None = None  # why these settings (kept in the file: a rewrite by `vllm-tour pin` keeps it)
 
+    def stated(self, name: str):
+        """The value of `name` when the pin file states it, else None (a default is not a fact about the release)."""
+        return getattr(self, name) if name in self.model_fields_set else None
+
     def reimpl_policies(self) -> dict:
         """The reimpl engine's settings (reimpl/config.py EngineConfig fields) that follow this pin."""
         return {"free_policy": self.free_queue_policy}

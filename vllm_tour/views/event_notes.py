@@ -1,5 +1,5 @@
 """Which notes explain a trace event: `show` prints them beside preemptions, prefix hits, evictions,
-chunked prefills and admissions, so a learner goes from what happened to the code that did it.
+chunked prefills, admissions and aborts, so a learner goes from what happened to the code that did it.
 
 The link is the notes' own `concepts` tags (source/concepts.py), read on the run's pin: a note hidden there
 (`not_on`) is not offered, one not checked there is offered with a mark.
@@ -8,6 +8,7 @@ The link is the notes' own `concepts` tags (source/concepts.py), read on the run
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import NamedTuple
 
 from vllm_tour.trace.reader import Step
 
@@ -35,31 +36,47 @@ def notes_by_concept(pin: str) -> dict[str, list[tuple[str, str, bool]]]:
     return out
 
 
-def step_events(step: Step) -> list[tuple[str, str]]:
-    """(text, concept) per event of the step, in the order `show` and the site list them. A resumed request is an
-    admission too: upstream re-admits a preempted request from the waiting queue by the same code as a new one."""
+class Event(NamedTuple):
+    text: str  # as `show` prints it
+    zh: str  # the same in Chinese (the site's 中文 mode)
+    concept: str  # notes/concepts.py
+    req_id: str | None  # the request it happened to (None: the pool's, an eviction)
+
+
+def step_events(step: Step) -> list[Event]:
+    """The step's events, in the order `show` and the site list them. A resumed request is an admission too:
+    upstream re-admits a preempted request from the waiting queue by the same code as a new one."""
     out = []
     s = step.scheduler
     if s:
         for r in s.scheduled:
-            if r.kind in ("new", "resumed"):
-                out.append((f"{'admit' if r.kind == 'new' else 'resume'} {r.req_id}", "admission"))
+            if r.kind == "new":
+                out.append(Event(f"admit {r.req_id}", f"准入 {r.req_id}", "admission", r.req_id))
+            elif r.kind == "resumed":
+                out.append(Event(f"resume {r.req_id}", f"恢复 {r.req_id}", "admission", r.req_id))
             if r.is_prefill and r.num_computed_tokens + r.num_scheduled_tokens < r.num_prompt_tokens:
-                out.append((f"chunk {r.req_id} {r.num_computed_tokens}+{r.num_scheduled_tokens}/{r.num_prompt_tokens}",
-                            "chunked-prefill"))
+                part = f"{r.num_computed_tokens}+{r.num_scheduled_tokens}/{r.num_prompt_tokens}"
+                out.append(Event(f"chunk {r.req_id} {part}", f"分块 {r.req_id} {part}", "chunked-prefill", r.req_id))
         for p in s.preempted:
-            out.append((f"PREEMPT {p.req_id}", "preemption"))
+            out.append(Event(f"PREEMPT {p.req_id}", f"抢占 {p.req_id}", "preemption", p.req_id))
+    for a in step.aborts:  # a serve run's: the EngineCore dropped it during this step
+        out.append(Event(f"ABORT {a.req_id}", f"中止 {a.req_id}", "abort", a.req_id))
     if step.kv:
         for h in step.kv.prefix_hits:
-            out.append((f"hit {h.req_id}: {h.num_hit_tokens} tokens, blocks {h.block_ids}", "prefix-hit"))
+            out.append(Event(f"hit {h.req_id}: {h.num_hit_tokens} tokens, blocks {h.block_ids}",
+                             f"前缀缓存命中 {h.req_id}：{h.num_hit_tokens} 个 token，块 {h.block_ids}", "prefix-hit", h.req_id))
         if step.kv.evicted:
-            out.append((f"evict {step.kv.evicted}", "eviction"))
+            out.append(Event(f"evict {step.kv.evicted}", f"驱逐 {step.kv.evicted}", "eviction", None))
+    for v in step.spec_verify.requests if step.spec_verify else []:
+        n = f"{v.num_accepted}/{len(v.draft_token_ids)}"
+        out.append(Event(f"spec {v.req_id}: {n} drafts accepted", f"投机解码 {v.req_id}：接受 {n} 个草稿 token",
+                         "spec-decode", v.req_id))
     return out
 
 
 def step_concepts(step: Step) -> list[str]:
     """The concepts of the step's events, each once, in event order."""
-    return list(dict.fromkeys(concept for _, concept in step_events(step)))
+    return list(dict.fromkeys(e.concept for e in step_events(step)))
 
 
 def notes_line(concept: str, pin: str) -> str | None:

@@ -23,7 +23,17 @@ The rules, as Scheduler.schedule applies them at v0.32.0 (and v0.21.0):
   the walk, and everyone behind it waits too (kvm-reserve-full-isl, sched-waiting-alloc-fail);
 - a prefix-cache hit is the longest run of cached full blocks from the start, capped at num_tokens - 1
   (kvm-longest-hit, kvm-hash-full-only, kvm-hit-cap); blocks are cached at allocation (kvm-cache-blocks) and
-  lose their hash only when reused for other content (pool-evict-on-reuse).
+  lose their hash only when reused for other content (pool-evict-on-reuse);
+- new blocks come from the head of the free queue (pool-get-new), whose order free_blocks builds: that rule differs
+  between releases, so it is read from the pin profile (`free_queue_policy`) and never assumed; a pin that does not
+  state it gets "not known" (free_queue.py rebuilds the queue and checks every allocation against it).
+Read against the sources of v0.21.0, v0.31.0 and v0.32.0 (2026-12-02), the rules above hold on all three but for the
+free-queue order; max_num_active_seqs exists from v0.31.0 on (an engine argument 0.21.0 does not take, so its runs
+never record it).
+
+Served runs (`vllm-tour serve`): requests come from clients, not from meta.requests' arrival steps. The front end's
+records (server_requests) give each one's API id, arrival time and, for n > 1, its parent; an abort record gives the
+step the engine dropped it at and the blocks it freed (served.py).
 """
 
 from __future__ import annotations
@@ -35,206 +45,17 @@ from math import ceil
 from vllm_tour.errors import TourError
 from vllm_tour.trace import levels
 from vllm_tour.trace.reader import Run
-
-LANGS = ("en", "zh")
-
-# --- messages: one template per sentence kind, en and zh ----------------------------------------------------
-
-MSG: dict[str, dict[str, str]] = {
-    "arrival": {
-        "en": "arrived before step {step} (arrival_step {arrival} in meta.requests): {tokens} prompt tokens",
-        "zh": "在第 {step} 步之前到达（meta.requests 中 arrival_step = {arrival}）：提示词 {tokens} 个 token",
-    },
-    "arrival_early": {
-        "en": "arrived before step {step}, earlier than its arrival_step {arrival}: the engine had nothing else to do "
-              "(the driver adds the next request when the engine is idle): {tokens} prompt tokens",
-        "zh": "在第 {step} 步之前到达，早于它的 arrival_step {arrival}：引擎当时空闲（驱动程序在引擎空闲时提前加入下一个请求）；"
-              "提示词 {tokens} 个 token",
-    },
-    "wait_preempt_gate": {
-        "en": "waited: this step preempted {victims}, and no request is admitted in a step that preempted",
-        "zh": "等待：本步发生了抢占（{victims}），发生抢占的一步不准入任何请求",
-    },
-    "wait_budget": {
-        "en": "waited: the token budget was used up ({used}/{budget} tokens went to {users})",
-        "zh": "等待：token 预算已用完（{budget} 个中的 {used} 个给了 {users}）",
-    },
-    "wait_max_running": {
-        "en": "waited: {running} requests were running, the limit max_num_seqs = {max}",
-        "zh": "等待：已有 {running} 个请求在运行，达到上限 max_num_seqs = {max}",
-    },
-    "wait_kv": {
-        "en": "waited: not enough free KV blocks -- its whole sequence of {tokens} tokens must fit to be admitted, "
-              "up to ceil({tokens}/{bs}) = {need} blocks, {free} free",
-        "zh": "等待：空闲 KV 块不足——准入要求整条序列（{tokens} 个 token）都放得下，最多需要 ceil({tokens}/{bs}) = {need} 块，"
-              "而空闲的只有 {free} 块",
-    },
-    "wait_kv_nolevel": {
-        "en": "waited: its KV allocation failed (budget left {left}, {running} < max_num_seqs {max} running: the only "
-              "other stop of the admission walk); free blocks are not recorded at level {level}",
-        "zh": "等待：它的 KV 分配失败（预算还剩 {left}，运行中 {running} < max_num_seqs {max}：准入循环没有别的停止条件）；"
-              "{level} 级别的记录不含空闲块数",
-    },
-    "wait_no_chunking": {
-        "en": "waited: chunked prefill is off and its {owed} tokens exceed the {left} tokens left of the budget",
-        "zh": "等待：分块预填充已关闭，它的 {owed} 个 token 超过了预算剩余的 {left} 个",
-    },
-    "wait_hol": {
-        "en": "waited behind {head}, which did not fit: admission stops at the first waiting request it cannot "
-              "admit{fits}",
-        "zh": "排在 {head} 之后等待：{head} 放不下，而准入循环在第一个无法准入的等待请求处就停止{fits}",
-    },
-    "hol_fits": {
-        "en": " ({rid} alone needed at most {need} blocks for {tokens} tokens, and {free} were free)",
-        "zh": "（{rid} 自己最多只需 {need} 块来放 {tokens} 个 token，而空闲的有 {free} 块）",
-    },
-    "wait_running_budget": {
-        "en": "got no tokens while running: the budget was used up by requests ahead of it ({used}/{budget} to {users})",
-        "zh": "处于运行状态但没分到 token：预算被排在前面的请求用完了（{budget} 个中的 {used} 个给了 {users}）",
-    },
-    "wait_unknown": {
-        "en": "was not scheduled{queue}; the records do not establish why ({why})",
-        "zh": "没有被调度{queue}；记录无法确定原因（{why}）",
-    },
-    "admit": {
-        "en": "admitted ({kind}): {computed} of its {tokens} tokens already computed from the prefix "
-              "cache, {scheduled} computed this step",
-        "zh": "被准入（{kind}）：{tokens} 个 token 中 {computed} 个来自前缀缓存，本步计算 {scheduled} 个",
-    },
-    "chunk_budget": {
-        "en": "prefill chunk of {chunk} of the {owed} tokens it still owed, cut to what was left of the "
-              "budget: {budget} - {others} (to {users}) = {chunk}",
-        "zh": "预填充分块 {chunk} 个 token（还欠 {owed} 个），被截到预算剩余：{budget} - {others}（给了 {users}）= {chunk}",
-    },
-    "chunk_threshold": {
-        "en": "prefill chunk of {chunk} of the {owed} tokens it still owed, capped by "
-              "long_prefill_token_threshold = {threshold}",
-        "zh": "预填充分块 {chunk} 个 token（还欠 {owed} 个），被 long_prefill_token_threshold = {threshold} 限制",
-    },
-    "chunk_unknown": {
-        "en": "prefill chunk of {chunk} of the {owed} tokens it still owed; the records do not show what "
-              "cut it ({left} tokens of the budget were left)",
-        "zh": "预填充分块 {chunk} 个 token（还欠 {owed} 个）；记录看不出是什么截断了它（预算还剩 {left}）",
-    },
-    "chunk_last": {
-        "en": "last prefill chunk, the remaining {chunk} tokens",
-        "zh": "最后一个预填充分块，剩下的 {chunk} 个 token",
-    },
-    "preempt": {
-        "en": "preempted while allocating for {for_}: allocate_slots({for_}, {asked} tokens) failed with "
-              "{free} free blocks; {rule}. It lost {lost} computed tokens (blocks {blocks} freed) and must recompute them",
-        "zh": "为 {for_} 分配时被抢占：allocate_slots({for_}, {asked} 个 token) 在只有 {free} 个空闲块时失败；"
-              "{rule}。它丢失了 {lost} 个已计算的 token（释放块 {blocks}），必须重新计算",
-    },
-    "rule_last": {
-        "en": "the victim is the last running request (FCFS), and {rid} was last of {running}",
-        "zh": "FCFS 策略下牺牲者是运行队列的最后一个，而 {rid} 正是 {running} 中的最后一个",
-    },
-    "rule_self": {
-        "en": "{rid} was the last running request itself, with no one left behind it to preempt",
-        "zh": "{rid} 自己就是运行队列的最后一个，后面已没有可以抢占的请求",
-    },
-    "rule_priority": {
-        "en": "under the priority policy the victim is the worst (priority, arrival) running request",
-        "zh": "优先级策略下，牺牲者是运行队列中 (priority, arrival) 最差的请求",
-    },
-    "rule_unverified": {
-        "en": "the victim is the last running request (FCFS); the rebuilt running list does not confirm it here",
-        "zh": "FCFS 策略下牺牲者是运行队列的最后一个；此处重建的运行队列无法印证这一点",
-    },
-    "preempted_other": {
-        "en": "its allocation ({asked} tokens, {free} free blocks) failed and {victim} was preempted for it "
-              "({lost} computed tokens lost)",
-        "zh": "它的分配（{asked} 个 token，空闲 {free} 块）失败，{victim} 为它被抢占（丢失 {lost} 个已计算 token）",
-    },
-    "resume": {
-        "en": "back (resumed, {waited} steps after the preemption): {hit} of its {tokens} tokens from "
-              "the prefix cache, {recompute} recomputed",
-        "zh": "恢复运行（抢占后 {waited} 步）：{tokens} 个 token 中 {hit} 个来自前缀缓存，重新计算 {recompute} 个",
-    },
-    "cache_off": {
-        "en": "prefix cache: off in this run (enable_prefix_caching false): all {tokens} tokens computed",
-        "zh": "前缀缓存：本次运行未开启（enable_prefix_caching 为 false）：{tokens} 个 token 全部计算",
-    },
-    "cache_hit": {
-        "en": "prefix cache: hit {hit} of {tokens} tokens (blocks {blocks}); at most {cacheable} could hit",
-        "zh": "前缀缓存：{tokens} 个 token 命中 {hit} 个（块 {blocks}）；最多可命中 {cacheable} 个",
-    },
-    "cache_uncacheable": {
-        "en": "the last {rest} tokens can never hit: only full blocks are cached, and the last token is always "
-              "recomputed (hits stop at num_tokens - 1 = {cap}, whole blocks of {bs})",
-        "zh": "最后 {rest} 个 token 永远不会命中：只有满块才会被缓存，且最后一个 token 总要重算（命中上限 num_tokens - 1 = {cap}，"
-              "按 {bs} 的整块计）",
-    },
-    "cache_too_short": {
-        "en": "none of its {tokens} tokens can hit: a hit is whole blocks of {bs} before the last token, which is "
-              "always recomputed (hits stop at num_tokens - 1 = {cap})",
-        "zh": "它的 {tokens} 个 token 都不可能命中：命中只算最后一个 token 之前的 {bs} 整块，而最后一个 token 总要重算"
-              "（命中上限 num_tokens - 1 = {cap}）",
-    },
-    "miss_evicted": {
-        "en": "block {i} (tokens {a}-{b}) missed: it was cached in block {block} ({owner}) and evicted at step {step} "
-              "to make room for {by}",
-        "zh": "第 {i} 块（token {a}-{b}）未命中：它曾缓存在块 {block}（{owner}）中，第 {step} 步为给 {by} 腾地方被驱逐",
-    },
-    "miss_first": {
-        "en": "block {i} (tokens {a}-{b}) missed: no request had computed these tokens before (first seen here)",
-        "zh": "第 {i} 块（token {a}-{b}）未命中：此前没有任何请求计算过这些 token（首次出现）",
-    },
-    "miss_same_step": {
-        "en": "block {i} (tokens {a}-{b}) missed: {other} computes the same tokens in this step, but was admitted after it",
-        "zh": "第 {i} 块（token {a}-{b}）未命中：{other} 在同一步计算相同的 token，但它在本请求之后才被准入",
-    },
-    "miss_later": {
-        "en": "block {i} (tokens {a}-{b}) missed: {other} has the same tokens but computed them only at step {step}",
-        "zh": "第 {i} 块（token {a}-{b}）未命中：{other} 有相同的 token，但直到第 {step} 步才计算",
-    },
-    "miss_unknown": {
-        "en": "block {i} (tokens {a}-{b}) missed; the records do not establish why ({why})",
-        "zh": "第 {i} 块（token {a}-{b}）未命中；记录无法确定原因（{why}）",
-    },
-    "miss_chain": {
-        "en": "the hit ends at the first missing block: later blocks cannot hit after a miss",
-        "zh": "命中在第一个未命中的块处结束：未命中之后的块不可能再命中",
-    },
-    "finish": {
-        "en": "finished: {reason} ({generated} tokens generated){freed}",
-        "zh": "结束：{reason}（生成了 {generated} 个 token）{freed}",
-    },
-    "freed_at": {"en": "; its blocks were freed at step {step} (kv.freed)", "zh": "；它的块在第 {step} 步释放（kv.freed）"},
-    "finish_length": {"en": "max_tokens = {max} reached", "zh": "达到 max_tokens = {max}"},
-    "finish_model_len": {"en": "max_model_len reached", "zh": "达到 max_model_len"},
-    "finish_stop": {"en": "the model produced EOS or a stop token", "zh": "模型生成了 EOS 或停止 token"},
-    "finish_other": {"en": "finish reason {reason}", "zh": "结束原因 {reason}"},
-    "unfinished": {
-        "en": "did not finish in the records (run status {status})",
-        "zh": "在记录中没有结束（运行状态 {status}）",
-    },
-    "never_scheduled": {
-        "en": "was never scheduled in the recorded steps",
-        "zh": "在记录的各步中从未被调度",
-    },
-    "level": {
-        "en": "recorded at level {level}: {what} need records of level blocks (record again with --level blocks)",
-        "zh": "记录级别为 {level}：{what}需要 blocks 级别的记录（用 --level blocks 重新记录）",
-    },
-    "level_what": {
-        "en": "free-block counts, prefix-cache miss causes and evictions",
-        "zh": "空闲块数、前缀缓存未命中的原因与驱逐",
-    },
-    "queue_mismatch": {
-        "en": " (the rebuilt queues do not match the recorded waiting/running counts at this step)",
-        "zh": "（本步重建的队列与记录的 waiting/running 数量不符）",
-    },
-}
-
-# Words inside sentences that are values, translated for zh.
-MORE = {"en": "... {n} more: vllm-tour explain --request", "zh": "……还有 {n} 条：见 vllm-tour explain --request"}
-KIND_WORDS = {"new": {"en": "new", "zh": "新请求"}, "resumed": {"en": "resumed", "zh": "恢复"}}
-
-
-def msg(key: str, lang: str, **params) -> str:
-    return MSG[key][lang].format(**params)
+from vllm_tour.upstream.pins import pin_profile
+from vllm_tour.views import free_queue
+from vllm_tour.views.explain_messages import KIND_WORDS, LANGS, MORE, msg
+from vllm_tour.views.explain_queues import _Timeline
+from vllm_tour.views.served import (
+    abort_of,
+    engine_request,
+    served_after,
+    server_record,
+    siblings,
+)
 
 
 @dataclass
@@ -269,79 +90,6 @@ class Line:
                 "text": self.text(lang), "fields": self.fields, "notes": self.notes}
 
 
-# --- the rebuilt queues ----------------------------------------------------------------------------------------
-
-
-@dataclass
-class StepState:
-    index: int
-    waiting: list[str]  # the waiting queue as schedule() found it, head first
-    running: list[str]  # the running list as schedule() found it, admission order
-    consistent: bool  # the rebuilt queues have the lengths the scheduler recorded
-    admitted: list[str] = field(default_factory=list)  # taken from the head of `waiting`, in queue order
-    left: list[str] = field(default_factory=list)  # still waiting after admission (before this step's victims join)
-    running_after: list[str] = field(default_factory=list)  # running once admission ended
-    victims_last: bool = True  # each victim was the last of running when it was picked
-
-
-class _Timeline:
-    """The waiting and running queues at every step, rebuilt from arrivals, admissions, preemptions, finishes."""
-
-    def __init__(self, run: Run):
-        self.run = run
-        self.arrived: dict[str, int] = {}  # request -> the first step it was in the engine
-        self.finish_step: dict[str, int] = {}  # request -> the step that computed its last token
-        done = {o.req_id for o in run.outputs.requests if o.finish_reason} if run.outputs else set()
-        for s in run.steps:
-            if s.scheduler:
-                for r in s.scheduler.scheduled:
-                    if r.req_id in done:
-                        self.finish_step[r.req_id] = s.index
-        self.states: dict[int, StepState] = {}
-        self._rebuild()
-
-    def _rebuild(self) -> None:
-        # The driver (engine/run.py _drive) adds, before engine step d+1, every request with arrival_step <= d,
-        # and the next one whatever its arrival_step when the engine has nothing unfinished; in request order.
-        pending = sorted(self.run.meta.requests, key=lambda r: r.arrival_step)
-        waiting: list[str] = []
-        running: list[str] = []
-        finished: set[str] = set()
-        for s in self.run.steps:
-            d = s.index - 1
-            while pending and (pending[0].arrival_step <= d or not (set(self.arrived) - finished)):
-                rid = pending.pop(0).req_id
-                self.arrived[rid] = s.index
-                waiting.append(rid)
-            sch = s.scheduler
-            if sch is None:
-                continue
-            st = StepState(s.index, list(waiting), list(running),
-                           consistent=(len(waiting), len(running)) == (sch.waiting_before, sch.running_before))
-            victims = [p.req_id for p in sch.preempted]
-            for v in victims:  # the running loop pops victims from the tail (FCFS)
-                st.victims_last &= bool(running) and running[-1] == v
-                if v in running:
-                    running.remove(v)
-            admitted = {r.req_id for r in sch.scheduled if r.kind in ("new", "resumed")}
-            st.admitted = [w for w in waiting if w in admitted]
-            if set(st.admitted) != set(waiting[: len(admitted)]):
-                st.consistent = False  # admission is FCFS from the head: anything else is not this model
-            st.left = [w for w in waiting if w not in admitted]
-            running += st.admitted
-            st.running_after = list(running)
-            waiting = list(st.left)
-            for v in victims:  # each victim is prepended (sched-preempt-prepend)
-                waiting.insert(0, v)
-            for rid in [r for r in running if self.finish_step.get(r) == s.index]:
-                running.remove(rid)
-                finished.add(rid)
-            self.states[s.index] = st
-
-
-# --- the explanation ---------------------------------------------------------------------------------------------
-
-
 @dataclass
 class Explanation:
     run: str
@@ -351,12 +99,15 @@ class Explanation:
     lines: list[Line]
     table: list[dict] = field(default_factory=list)  # --cache rows
 
+    def turns(self) -> list[Line]:
+        """The turns that matter (waits, preemptions, resumes, why the cache missed, the finish, whose choice a
+        served request is), not every chunk; a miss line stands for the zero-hit line before it."""
+        return [ln for ln in self.lines if (ln.topic in ("wait", "preempt", "resume", "cache", "finish", "level")
+                or ln.cause == "n_child") and ln.cause not in ("no_hit", None)]
+
     def summary(self, lang: str = "en", limit: int = 8) -> list[str]:
-        """A few lines: the turns that matter (waits, preemptions, resumes, why the cache missed, the finish), not
-        every chunk; a miss line stands for the zero-hit line before it."""
-        keep = [ln for ln in self.lines if ln.topic in ("wait", "preempt", "resume", "cache", "finish", "level")
-                and ln.cause not in ("no_hit", None)]
-        out = [_prefix(ln, lang) + ln.text(lang) for ln in keep]
+        """A few lines: the turns, cut at `limit`."""
+        out = [line_text(ln, lang) for ln in self.turns()]
         return out if len(out) <= limit else out[: limit - 1] + [MORE[lang].format(n=len(out) - limit + 1)]
 
     def to_json(self, lang: str = "en") -> dict:
@@ -367,6 +118,11 @@ class Explanation:
 
 
 STEP = {"en": ("step {a}: ", "steps {a}-{b}: "), "zh": ("第 {a} 步：", "第 {a}-{b} 步：")}
+
+
+def line_text(ln: Line, lang: str = "en") -> str:
+    """A line as printed: its step or steps, then its sentence."""
+    return _prefix(ln, lang) + ln.text(lang)
 
 
 def _prefix(ln: Line, lang: str = "en") -> str:
@@ -400,6 +156,8 @@ class _Explainer:
                 for r in s.scheduler.scheduled:
                     self.sched_rows.setdefault(r.req_id, []).append((s.index, r))
         self._cache = _CacheSim(self) if self.blocks else None
+        self.free_policy, self.no_policy = _free_queue_policy(run.meta.pin)
+        self.allocs = free_queue.rebuild(run, self.free_policy, self._cache.hashed) if self._cache and self.free_policy else {}
 
     # -- numbers the sentences use
 
@@ -492,12 +250,11 @@ class _Explainer:
 
     def request(self, rid: str) -> Explanation:
         run = self.run
-        if rid not in run.request_ids():
-            raise TourError(f"no request {rid!r} in {run.path.name} (requests: {', '.join(run.request_ids())})")
-        lines: list[Line] = []
+        rid = engine_request(run, rid)
         spec = next(r for r in run.meta.requests if r.req_id == rid)
         arrived = self.tl.arrived.get(rid)
-        if arrived is not None:
+        lines = self.served_lines(rid, arrived) if run.server_requests else []
+        if arrived is not None and not run.server_requests:
             early = arrived < spec.arrival_step + 1
             lines.append(Line("arrival", "arrival_early" if early else "arrival",
                               {"step": arrived, "arrival": spec.arrival_step, "tokens": self.prompt_len.get(rid, 0)},
@@ -505,10 +262,12 @@ class _Explainer:
         rows = dict(self.sched_rows.get(rid, []))
         preempted_at = {s.index: p for s in run.steps if s.scheduler for p in s.scheduler.preempted if p.req_id == rid}
         end = self.tl.finish_step.get(rid, run.steps[-1].index)
+        # without a known arrival (served, records that do not fit) the story starts where the records first show it
+        start = arrived if arrived is not None else min(rows, default=None)
         last_preempt = None
         for s in run.steps:
             n = s.index
-            if arrived is None or n < arrived or n > end or s.scheduler is None:
+            if start is None or n < start or n > end or s.scheduler is None:
                 continue
             if n in preempted_at:
                 lines.append(self.preempt_line(rid, s, preempted_at[n]))
@@ -540,6 +299,7 @@ class _Explainer:
                                        "scheduler.scheduled[].num_scheduled_tokens"], ["sched-admit", "sched-prefix-lookup"],
                                       r.kind, (n, n)))
                 lines += self.cache_lines(rid, s, r)
+                lines += self.alloc_lines(rid, s)
             chunk = self.chunk_line(rid, s, r)
             if chunk is not None:
                 lines.append(chunk)
@@ -550,6 +310,89 @@ class _Explainer:
             lines.append(Line("level", "level", {"level": run.meta.level, "what": ""}, ["meta.level"], [],
                               sub=[("what", ("level_what", {}))]))
         return Explanation(run.path.name, run.meta.pin, run.meta.level, f"request {rid}", _merge(lines))
+
+    def served_lines(self, rid: str, arrived: int | None) -> list[Line]:
+        """A served request's arrival: the API id the client got, when the front end made it, the step it reached
+        the engine by (rebuilt: see _Timeline._arrivals_served), and, for one of n > 1 choices, its parent."""
+        rec = server_record(self.run, rid)
+        if rec is None:
+            return [Line("arrival", "served_unrecorded", {}, ["server_requests"], [])]
+        fields = ["server_requests[].api_id", "server_requests[].arrival_time", "scheduler.waiting_before"]
+        at = {"api": rec.api_id, "t": f"{rec.arrival_time - self.run.meta.started:.3f}",
+              "tokens": len(rec.prompt_token_ids), "step": arrived}
+        if arrived is None:
+            out = [Line("arrival", "arrival_served_unknown", at, fields, ["sched-add-request"], "unknown")]
+        else:
+            out = [Line("arrival", "arrival_served", at, fields, ["sched-add-request", "core-busy-loop"], "api")]
+        if rec.parent_id is not None:
+            out.append(Line("arrival", "served_child", {"index": rec.index, "n": rec.n, "api": rec.api_id,
+                                                        "parent": rec.parent_id,
+                                                        "others": ", ".join(siblings(self.run, rec)) or "-"},
+                            ["server_requests[].parent_id", "server_requests[].index", "server_requests[].n"], [],
+                            "n_child"))
+        return out
+
+    def abort_lines(self, rid: str) -> list[Line]:
+        """How an aborted request ended: who ended it (as far as the records say), the step the engine dropped it
+        at, the blocks it held and those freed, and where the freed ones show."""
+        step, a = abort_of(self.run, rid)
+        rec = server_record(self.run, rid)
+        later = served_after(self.run, a)
+        fields = ["abort.step", "abort.status_before", "abort.num_computed_tokens", "abort.block_ids",
+                  "abort.freed_block_ids"]
+        notes = ["core-busy-loop", "sched-finish-free", "kvm-free-reverse"]
+        out = self.outputs.get(rid)
+        finish = rec.finish_reason if rec is not None else out.finish_reason if out is not None else None
+        if finish == "stop":  # the engine does not look for stop strings: the front end finds them, then aborts
+            stop = f" {rec.stop_reason!r}" if rec is not None and isinstance(rec.stop_reason, str) else ""
+            who, cause = ("abort_stop_string", {"stop": stop}), "stop_string"
+            fields, notes = fields + ["outputs.requests[].finish_reason"], ["out-detok-stop", "out-engine-abort", *notes]
+        elif rec is not None and finish == "abort" and later:
+            who, cause = ("abort_client", {"tokens": len(rec.token_ids), "later": later[0].api_id}), "client_closed"
+            fields += ["server_requests[].finish_reason", "server_requests[].arrival_time"]
+        elif rec is not None:
+            who, cause = ("abort_client_or_shutdown", {}), "aborted"
+        else:
+            who, cause = ("abort_unknown", {"finish": finish}), "aborted"
+        nxt = next((s for s in self.run.steps if s.index > step and s.kv is not None), None)
+        if not a.freed_block_ids:
+            freed = ("abort_none_freed", {})
+        elif nxt is not None and set(a.freed_block_ids) <= set(nxt.kv.freed):
+            freed, fields = ("abort_freed_at", {"blocks": a.freed_block_ids, "next": nxt.index}), fields + ["kv.freed"]
+        else:
+            freed = ("abort_freed_unseen", {"blocks": a.freed_block_ids})
+        kept = [b for b in a.block_ids if b not in a.freed_block_ids]
+        return [Line("finish", "abort", {"who": "", "status": a.status_before, "computed": a.num_computed_tokens,
+                                         "outputs": a.num_output_tokens, "held": a.block_ids, "freed": "", "kept": ""},
+                     fields, notes, cause, (step, step),
+                     sub=[("who", who), ("freed", freed),
+                          ("kept", ("abort_kept", {"kept": kept}) if kept else ("", {}))])]
+
+    def policy_rule(self) -> tuple[str, dict]:
+        return (f"rule_{self.free_policy}", {"pin": self.run.meta.pin})
+
+    def policy_notes(self) -> list[str]:
+        return ["pool-get-new", "kvm-free-reverse"] + (["pool-free-order"] if self.free_policy == "uncached_to_front" else [])
+
+    def alloc_lines(self, rid: str, s) -> list[Line]:
+        """Which blocks an admission got, and why those: the head of the free queue, whose order the release's
+        free-queue policy (pin profile) builds -- checked against the queue rebuilt from the records."""
+        got = s.kv.allocated.get(rid, []) if s.kv else []
+        if not got:
+            return []
+        n = s.index
+        fields = ["kv.allocated", "kv.freed", "kv.prefix_hits", "kv.num_blocks", f"pins/{self.run.meta.pin}.toml [profile] free_queue_policy"]
+        if self.free_policy is None:
+            return [Line("alloc", "alloc_policy_unknown", {"blocks": got, "why": self.no_policy}, fields[:4],
+                         ["pool-get-new"], "policy_unknown", (n, n))]
+        a = self.allocs.get((n, rid))
+        if a is None or a.expected is None:
+            return [Line("alloc", "alloc_lost", {"blocks": got}, fields, [], "unknown", (n, n))]
+        if a.expected != got:
+            return [Line("alloc", "alloc_mismatch", {"blocks": got, "expected": a.expected, "pin": self.run.meta.pin, "rule": ""},
+                         fields, [], "unknown", (n, n), sub=[("rule", self.policy_rule())])]
+        return [Line("alloc", "alloc_head", {"blocks": got, "pin": self.run.meta.pin, "rule": ""}, fields,
+                     self.policy_notes(), f"free_queue_{self.free_policy}", (n, n), sub=[("rule", self.policy_rule())])]
 
     def preempt_line(self, rid: str, s, p) -> Line:
         n = s.index
@@ -621,6 +464,8 @@ class _Explainer:
         return out
 
     def finish_lines(self, rid: str) -> list[Line]:
+        if abort_of(self.run, rid) is not None:
+            return self.abort_lines(rid)
         o = self.outputs.get(rid)
         last = self.tl.finish_step.get(rid)
         if o is None or last is None:
@@ -675,6 +520,10 @@ class _Explainer:
                 ln = self.wait_line(rid, s)
                 ln.who = rid
                 lines.append(ln)
+        for a in s.aborts:  # dropped during this step (a client that hung up, a shutdown)
+            for ln in self.abort_lines(a.req_id):
+                ln.who = a.req_id
+                lines.append(ln)
         if sch.finished:
             lines.append(Line("finish", "step_finished", {"who": ", ".join(sch.finished)}, ["scheduler.finished", "kv.freed"],
                               ["sched-finish-free"]))
@@ -706,19 +555,6 @@ class _Explainer:
             lines.append(Line("level", "level", {"level": self.run.meta.level, "what": ""}, ["meta.level"], [],
                               sub=[("what", ("level_what", {}))]))
         return Explanation(self.run.path.name, self.run.meta.pin, self.run.meta.level, "cache", lines, rows)
-
-
-MSG.update({
-    "step_budget": {
-        "en": "budget {budget} tokens; {users} = {used}; {left} left",
-        "zh": "预算 {budget} 个 token；{users} = {used}；剩余 {left}",
-    },
-    "step_finished": {
-        "en": "finished before this step, their blocks freed now: {who}",
-        "zh": "在本步之前结束、其块在本步释放的请求：{who}",
-    },
-})
-
 
 
 # --- the prefix cache, rebuilt from block tables ----------------------------------------------------------------
@@ -763,6 +599,13 @@ class _CacheSim:
                     live[b] = key
                     self.history.setdefault(key, []).append([s.index, b, r.req_id, None])
 
+    def hashed(self, block: int, step: int) -> bool:
+        """Whether `block` held a cached prefix when it was freed during `step` (never, with prefix caching off)."""
+        if self.ex.run.meta.engine_args.get("enable_prefix_caching") is False:
+            return False
+        return any(h[1] == block and h[0] < step and (h[3] is None or h[3] >= step)
+                   for hist in self.history.values() for h in hist)
+
     def miss(self, rid: str, step: int, hit: int, tokens: int) -> list[Line]:
         seq = self.ex.seq.get(rid, [])
         i = hit // self.bs
@@ -784,8 +627,8 @@ class _CacheSim:
                 h = max(gone, key=lambda h: h[3])
                 by = self.evicted_by.get((h[3], h[1]), "?")
                 return [Line("cache", "miss_evicted", {**base, "block": h[1], "owner": h[2], "step": h[3], "by": by},
-                             fields, ["pool-evict-on-reuse", "pool-free-order", "kvm-free-reverse"], "evicted",
-                             (step, step))] + tail
+                             fields, ["pool-evict-on-reuse", *self.ex.policy_notes()] if self.ex.free_policy else
+                             ["pool-evict-on-reuse"], "evicted", (step, step))] + tail
             return [Line("cache", "miss_unknown", {**base, "why": {"en": "the rebuilt cache still held these tokens", "zh": "重建的缓存中这些 token 仍在"}}, fields, [],
                          "unknown", (step, step))]
         same = [h for h in hist if h[0] == step and h[2] != rid]
@@ -798,6 +641,22 @@ class _CacheSim:
                          ["kvm-cache-blocks"], "not_yet_computed", (step, step))] + tail
         return [Line("cache", "miss_first", base, fields, ["kvm-hash-chain", "kvm-longest-hit"], "never_computed",
                      (step, step))] + tail
+
+
+def _free_queue_policy(pin: str) -> tuple[str | None, dict | None]:
+    """The release's free-queue policy as its pin profile states it, or None and why it is not known (never a
+    default: the policy differs between releases)."""
+    try:
+        policy = pin_profile(pin).stated("free_queue_policy")
+    except TourError:
+        return None, {"en": f"there is no pin file pins/{pin}.toml", "zh": f"没有 pins/{pin}.toml 这个 pin 文件"}
+    if policy is None:
+        return None, {"en": f"pins/{pin}.toml [profile] gives no free_queue_policy",
+                      "zh": f"pins/{pin}.toml 的 [profile] 没有给出 free_queue_policy"}
+    if policy not in free_queue.POLICIES:
+        return None, {"en": f"pins/{pin}.toml gives free_queue_policy {policy!r}, none explain knows",
+                      "zh": f"pins/{pin}.toml 给出的 free_queue_policy {policy!r} 不是 explain 认识的"}
+    return policy, None
 
 
 def _merge(lines: list[Line]) -> list[Line]:
@@ -831,6 +690,14 @@ def explain(run: Run, request: str | None = None, step: int | None = None, cache
     if step is not None:
         return ex.step(step)
     return ex.cache()
+
+
+def explain_requests(run: Run) -> dict[str, Explanation]:
+    """Every request's explanation, the records read once ({} for a run without scheduler records)."""
+    if not any(s.scheduler for s in run.steps):
+        return {}
+    ex = _Explainer(run)
+    return {rid: ex.request(rid) for rid in run.request_ids()}
 
 
 def request_summary(run: Run, rid: str, lang: str = "en", limit: int = 8) -> list[str]:

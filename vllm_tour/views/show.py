@@ -8,17 +8,52 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from vllm_tour.errors import TourError
 from vllm_tour.trace import levels
 from vllm_tour.trace.experts import expert_view, moe_detail
-from vllm_tour.trace.reader import Run, Step
+from vllm_tour.trace.reader import Run, Step, load_run, parse_window, steps_between
+from vllm_tour.views import spec_decode
 from vllm_tour.views.event_notes import notes_line, step_concepts
 from vllm_tour.views.explain import request_summary
+from vllm_tour.views.served import engine_request
 
 PROMPT_IDS_SHOWN = 16  # header: a prompt's first token ids
 PROMPTS_SHOWN = 8  # header: requests whose prompt ids are listed
 PROMPT_TEXT_SHOWN = 40  # header: characters of a prompt's text
 PALETTE = ["cyan", "magenta", "green", "yellow", "blue", "red", "bright_cyan", "bright_magenta", "bright_green", "bright_yellow", "bright_blue", "bright_red"]
+
+
+# The words of `show --lang zh`: the step table, its events, the grid, the outputs and a request's view (the
+# glossary's renderings, annotations/glossary/terms.toml). `--step N`'s detail stays English: its lines are the
+# record fields by their names.
+WORDS = {
+    "en": {"steps": "{name} — {n} steps", "window": "{name} — steps {a}-{b} ({n} steps)",
+           "one": "{name} — step {i} of {n}", "step": "step", "wait": "wait", "run": "run", "tokens": "tokens",
+           "batch": "batch  (N new · R resumed · P prefill tokens · D decode)", "kv": "KV free (usable)",
+           "events": "events", "PREEMPT": "PREEMPT", "finish": "finish", "ABORT": "ABORT", "hit": "hit",
+           "evict": "evict", "grid": "block tables after step {i}'s allocation",
+           "grid_caption": "+ new this step · * reused (prefix cache) · color: the block's first owner",
+           "request": "request", "notes": "events in this run, and the notes on the code that makes them:",
+           "outputs": "outputs", "prompt": "prompt", "generated": "generated", "text": "text",
+           "blocks_per_step": "{rid}: blocks per step", "blocks_caption": "+ new · * prefix-cache hit", "blocks": "blocks",
+           "why": "why (vllm-tour explain --request {rid} gives the evidence):",
+           "io": "prompt {p} tokens → {g} generated ({f}): {ids}"},
+    "zh": {"steps": "{name} — 共 {n} 步", "window": "{name} — 第 {a}-{b} 步（{n} 步）",
+           "one": "{name} — 第 {i} 步（共 {n} 步）", "step": "步", "wait": "等待", "run": "运行", "tokens": "token",
+           "batch": "批次（N 新请求 · R 恢复 · P 预填充 token 数 · D 解码）", "kv": "空闲 KV 块（可用）",
+           "events": "事件", "PREEMPT": "抢占", "finish": "结束", "ABORT": "中止", "hit": "命中",
+           "evict": "驱逐", "grid": "第 {i} 步分配之后的块表",
+           "grid_caption": "+ 本步新分配 · * 前缀缓存复用 · 颜色：块的第一个持有者",
+           "request": "请求", "notes": "本次运行中的事件，以及产生它们的代码上的注解：",
+           "outputs": "输出", "prompt": "提示词", "generated": "生成", "text": "文本",
+           "blocks_per_step": "{rid}：每一步的块", "blocks_caption": "+ 新分配 · * 前缀缓存命中", "blocks": "块",
+           "why": "为什么（vllm-tour explain --request {rid} 给出证据）：",
+           "io": "提示词 {p} 个 token → 生成 {g} 个（{f}）：{ids}"},
+}
+LANGS = tuple(WORDS)
+
+
+def word(key: str, lang: str, **params) -> str:
+    return WORDS[lang][key].format(**params)
 
 
 def colors(run: Run) -> dict[str, str]:
@@ -77,38 +112,68 @@ def last_steps(run: Run) -> dict[int, list[str]]:
     return out
 
 
-def _events_cell(step: Step, run: Run, finishing: list[str] = ()) -> Text:
+def window_last_steps(run: Run) -> dict[int, list[str]]:
+    """last_steps for a window (Run.window) without the steps after it: a request scheduled in step s
+    finished there when step s + 1 lists it as finished, or when s is the run's last step."""
+    done = {o.req_id: o.finish_reason for o in run.outputs.requests} if run.outputs else {}
+    steps = [*run.steps, run.next_step]
+    out: dict[int, list[str]] = {}
+    for s, after in zip(run.steps, steps[1:]):
+        if s.scheduler is None:
+            continue
+        if after is None:  # the run's last step
+            ended = done.keys()
+        elif after.index == s.index + 1 and after.scheduler is not None:
+            ended = after.scheduler.finished
+        else:
+            continue
+        for r in s.scheduler.scheduled:
+            if r.req_id in ended and r.req_id in done:
+                out.setdefault(s.index, []).append(f"{r.req_id} ({done[r.req_id]})")
+    return out
+
+
+def _events_cell(step: Step, run: Run, finishing: list[str] = (), lang: str = "en") -> Text:
+    w = WORDS[lang]
     t = Text()
     s = step.scheduler
     if s:
         for p in s.preempted:
-            t.append(f"PREEMPT {p.req_id} ", style="bold red")
+            t.append(f"{w['PREEMPT']} {p.req_id} ", style="bold red")
     for f in finishing:
-        t.append(f"finish {f} ", style="bold")
+        t.append(f"{w['finish']} {f} ", style="bold")
     for a in step.aborts:
-        t.append(f"ABORT {a.req_id} ", style="bold magenta")
+        t.append(f"{w['ABORT']} {a.req_id} ", style="bold magenta")
     if step.kv:
         for h in step.kv.prefix_hits:
-            t.append(f"hit {h.req_id}:{h.num_hit_tokens}t ", style="bold green")
+            t.append(f"{w['hit']} {h.req_id}:{h.num_hit_tokens}t ", style="bold green")
         if step.kv.evicted:
-            t.append(f"evict {len(step.kv.evicted)} ", style="yellow")
+            t.append(f"{w['evict']} {len(step.kv.evicted)} ", style="yellow")
+    t.append(spec_decode.events(step))
     if step.errors:
         t.append(f"{len(step.errors)} probe error(s)", style="bold red")
     return t
 
 
-def step_table(run: Run, focus: str | None = None, only: Step | None = None) -> Table:
-    """Every step of the run, or `only` that one (its finishes still judged on the whole run)."""
+def step_table(run: Run, focus: str | None = None, only: Step | None = None, lang: str = "en") -> Table:
+    """Every step of the run (of its window), or `only` that one (its finishes still judged on the whole run)."""
     col = colors(run)
-    title = escape(f"{run.path.name} — step {only.index} of {len(run.steps)}" if only else f"{run.path.name} — {len(run.steps)} steps")
+    name, n = run.path.name, len(run.steps)
+    if only:
+        title = word("one", lang, name=name, i=only.index, n=n)
+    elif run.window:
+        title = word("window", lang, name=name, a=run.window[0], b=run.window[1], n=n)
+    else:
+        title = word("steps", lang, name=name, n=n)
+    title = escape(title)
     table = Table(title=title, title_justify="left", expand=False)
     blocks = levels.has(run.meta.level, "blocks")  # no KV column for a run that recorded none
-    columns = [("step", "right"), ("wait", "right"), ("run", "right"), ("tokens", "right"),
-               ("batch  (N new · R resumed · P prefill tokens · D decode)", "left"),
-               *([("KV free (usable)", "right")] if blocks else []), ("events", "left")]
+    w = WORDS[lang]
+    columns = [(w["step"], "right"), (w["wait"], "right"), (w["run"], "right"), (w["tokens"], "right"),
+               (w["batch"], "left"), *([(w["kv"], "right")] if blocks else []), (w["events"], "left")]
     for c, j in columns:
         table.add_column(c, justify=j, overflow="fold")
-    finishing = last_steps(run)
+    finishing = window_last_steps(run) if run.window else last_steps(run)
     for s in [only] if only else run.steps:
         if focus and not _involves(s, focus):
             continue
@@ -120,7 +185,7 @@ def step_table(run: Run, focus: str | None = None, only: Step | None = None) -> 
             f"{sch.tokens_scheduled}/{sch.token_budget}" if sch else "",
             _batch_cell(s, col, focus),
             *([f"{kv.free_blocks}/{kv.num_blocks}" if kv else ""] if blocks else []),
-            _events_cell(s, run, finishing.get(s.index, [])),
+            _events_cell(s, run, finishing.get(s.index, []), lang),
         )
     return table
 
@@ -132,33 +197,42 @@ def _involves(step: Step, rid: str) -> bool:
     return bool(step.kv and rid in step.kv.block_tables)
 
 
-def block_grid(run: Run, step: Step, only: str | None = None) -> Table:
-    """Requests × block slots at the end of the step's allocation."""
-    col = colors(run)
+def block_rows(run: Run, step: Step, only: str | None = None) -> list[tuple[str, list[tuple[int, str, str]]]]:
+    """The step's block tables after its allocation, in request order: (request, [(block id, mark, the block's
+    first owner)]); mark "+" new this step, "*" reused (a prefix-cache hit, or another request's block)."""
     owners = block_owners(run, step.index)
     kv = step.kv
+    if kv is None:
+        return []
+    order = run.request_ids()
+    hit_ids = {h.req_id: set(h.block_ids) for h in kv.prefix_hits}
+    rows = []
+    for rid in sorted((r for r in kv.block_tables if only is None or r == only),
+                      key=lambda r: order.index(r) if r in order else len(order)):
+        new = set(kv.allocated.get(rid, []))
+        cells = [(b, "+" if b in new else "*" if b in hit_ids.get(rid, ()) or owners.get(b, rid) != rid else "",
+                  owners.get(b, rid)) for b in kv.block_tables[rid]]
+        rows.append((rid, cells))
+    return rows
+
+
+def block_grid(run: Run, step: Step, only: str | None = None, lang: str = "en") -> Table:
+    """Requests × block slots at the end of the step's allocation."""
+    col = colors(run)
     table = Table(
-        title=f"block tables after step {step.index}'s allocation",
-        caption="+ new this step · * reused (prefix cache) · color: the block's first owner",
+        title=word("grid", lang, i=step.index),
+        caption=word("grid_caption", lang),
         title_justify="left",
         caption_justify="left",
         min_width=72,
     )
-    table.add_column("request")
-    if kv is None:
-        return table
-    tables = {k: v for k, v in kv.block_tables.items() if only is None or k == only}
-    width = max((len(v) for v in tables.values()), default=0)
-    for i in range(width):
+    table.add_column(word("request", lang))
+    rows = block_rows(run, step, only)
+    for i in range(max((len(cells) for _, cells in rows), default=0)):
         table.add_column(str(i), justify="right")
-    hit_ids = {rid: set(h.block_ids) for h in kv.prefix_hits for rid in [h.req_id]}
-    for rid in sorted(tables, key=lambda r: run.request_ids().index(r) if r in run.request_ids() else 1e9):
-        cells = []
-        new = set(kv.allocated.get(rid, []))
-        for b in tables[rid]:
-            mark = "+" if b in new else "*" if b in hit_ids.get(rid, ()) or owners.get(b, rid) != rid else ""
-            cells.append(Text(f"{b}{mark}", style=col.get(owners.get(b, rid), "white")))
-        table.add_row(Text(rid, style=col.get(rid, "white")), *cells)
+    for rid, cells in rows:
+        table.add_row(Text(rid, style=col.get(rid, "white")),
+                      *(Text(f"{b}{mark}", style=col.get(owner, "white")) for b, mark, owner in cells))
     return table
 
 
@@ -183,6 +257,8 @@ def step_detail(run: Run, step: Step) -> Group:
                              f"dropped after this step's schedule; blocks {a.block_ids}, freed {a.freed_block_ids} "
                              "(in the next step's KV record)")
         parts.append(Panel(body, title="abort", expand=False))
+    if step.spec_verify or step.spec_proposal:
+        parts.append(spec_decode.spec_table(run, step=step))
     parts += _not_recorded(run, "blocks", "block tables, KV pool, prefix-cache hits")
     if step.kv:
         parts.append(block_grid(run, step))
@@ -261,13 +337,13 @@ def tp_summary(run: Run) -> Text:
     return t
 
 
-def request_view(run: Run, rid: str) -> Group:
-    if rid not in run.request_ids():
-        raise TourError(f"no request {rid!r} in {run.path.name} (requests: {', '.join(run.request_ids())})")
-    parts = [step_table(run, focus=rid)]
-    t = Table(title=f"{rid}: blocks per step", caption="+ new · * prefix-cache hit", title_justify="left", caption_justify="left", min_width=50)
-    t.add_column("step", justify="right")
-    t.add_column("blocks")
+def request_view(run: Run, rid: str, lang: str = "en") -> Group:
+    rid = engine_request(run, rid)  # a served run's API id names its engine request
+    parts = [step_table(run, focus=rid, lang=lang)]
+    t = Table(title=word("blocks_per_step", lang, rid=rid), caption=word("blocks_caption", lang), title_justify="left",
+              caption_justify="left", min_width=50)
+    t.add_column(word("step", lang), justify="right")
+    t.add_column(word("blocks", lang))
     for s in run.steps:
         if s.kv and rid in s.kv.block_tables:
             new = set(s.kv.allocated.get(rid, []))
@@ -275,13 +351,16 @@ def request_view(run: Run, rid: str) -> Group:
             t.add_row(str(s.index), " ".join(f"{b}{'+' if b in new else '*' if b in hit else ''}" for b in s.kv.block_tables[rid]))
     missing = _not_recorded(run, "blocks", f"{rid}'s blocks per step")
     parts += missing or [t]
-    why = request_summary(run, rid)
+    if spec_decode.has_spec(run):
+        parts.append(spec_decode.spec_table(run, request=rid))
+    why = request_summary(run, rid, lang)
     if why:  # the explanation's turns, in short: `vllm-tour explain RUN --request R` has the evidence
-        parts.append(Text("why (vllm-tour explain --request " + rid + " gives the evidence):\n  " + "\n  ".join(why)))
+        parts.append(Text(word("why", lang, rid=rid) + "\n  " + "\n  ".join(why)))
     if run.outputs:
         for o in run.outputs.requests:
             if o.req_id == rid:
-                parts.append(Text(f"prompt {len(o.prompt_token_ids)} tokens → {len(o.token_ids)} generated ({o.finish_reason}): {o.token_ids}\n{o.text!r}"))
+                io = word("io", lang, p=len(o.prompt_token_ids), g=len(o.token_ids), f=o.finish_reason, ids=o.token_ids)
+                parts.append(Text(f"{io}\n{o.text!r}"))
     return Group(*parts)
 
 
@@ -317,10 +396,10 @@ def header(run: Run) -> Text:
     return t
 
 
-def outputs_table(run: Run) -> Table:
-    t = Table(title="outputs", title_justify="left")
+def outputs_table(run: Run, lang: str = "en") -> Table:
+    t = Table(title=word("outputs", lang), title_justify="left")
     for c in ("request", "prompt", "generated", "finish", "text"):
-        t.add_column(c, overflow="fold")
+        t.add_column(word(c, lang), overflow="fold")
     col = colors(run)
     for o in run.outputs.requests if run.outputs else []:
         t.add_row(Text(o.req_id, style=col.get(o.req_id, "")), str(len(o.prompt_token_ids)), str(len(o.token_ids)), o.finish_reason or "", Text(repr(o.text[:60])))
@@ -346,20 +425,34 @@ def server_table(run: Run) -> Table:
     return t
 
 
-def show(run: Run, console: Console, step: int | None = None, request: str | None = None) -> None:
+def load_for_show(run: str, steps: str | None = None, seconds: str | None = None) -> Run:
+    """The run, or the window of it that --steps "A-B" or --time "T0-T1" (seconds after its start) names."""
+    if steps is not None:
+        return load_run(run, steps=parse_window(steps, "--steps", whole=True))
+    if seconds is not None:
+        return load_run(run, steps=steps_between(run, parse_window(seconds, "--time", whole=False)))
+    return load_run(run)
+
+
+def show(run: Run, console: Console, step: int | None = None, request: str | None = None, lang: str = "en") -> None:
     console.print(header(run))
     for w in run.warnings:
         console.print("[yellow]warning:[/] " + escape(w))
     if step is not None:
         console.print(step_detail(run, run.step(step)))
+    elif run.window:
+        console.print(step_table(run, lang=lang))
     elif request is not None:
-        console.print(request_view(run, request))
+        console.print(request_view(run, request, lang))
     else:
-        console.print(step_table(run))
+        console.print(step_table(run, lang=lang))
         seen = list(dict.fromkeys(c for s in run.steps for c in step_concepts(s)))
         lines = [line for c in seen if (line := notes_line(c, run.meta.pin))]
         if lines:
-            console.print(Text("events in this run, and the notes on the code that makes them:\n  " + "\n  ".join(lines), style="dim"))
+            console.print(Text(word("notes", lang) + "\n  " + "\n  ".join(lines), style="dim"))
+        if spec_decode.has_spec(run):
+            console.print(spec_decode.summary(run))
+            console.print(spec_decode.spec_table(run))
         if run.tp_shards:
             console.print(tp_summary(run))
         for line in _not_recorded(run, "blocks", "block tables, KV pool, prefix-cache hits"):
@@ -367,11 +460,11 @@ def show(run: Run, console: Console, step: int | None = None, request: str | Non
         if run.steps:
             busiest = max(run.steps, key=lambda s: (s.kv.num_blocks - s.kv.free_blocks) if s.kv else -1)
             if busiest.kv:
-                console.print(block_grid(run, busiest))
+                console.print(block_grid(run, busiest, lang=lang))
         experts = expert_view(run)
         if experts is not None:
             console.print(experts)
-        console.print(outputs_table(run))
+        console.print(outputs_table(run, lang))
         if run.server_requests:
             console.print(server_table(run))
     if run.errors:

@@ -17,6 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from vllm_tour.notes.annotations import Note, caution_text
+from vllm_tour.notes.glossary import FirstUse
 from vllm_tour.notes.locate import Placement, locate
 from vllm_tour.notes.resolve import SourceTree, Symbol
 
@@ -32,9 +33,10 @@ def placements(notes: list[Note], tree: SourceTree, symbol: Symbol) -> list[Plac
     return [locate(n, tree, symbol) for n in notes]
 
 
-def _note_panel(i: int, p: Placement, lang: str, pin: str) -> Panel:
+def _note_panel(i: int, p: Placement, lang: str, pin: str, gloss: FirstUse) -> Panel:
     label = _LABEL[lang]
-    body = [Markdown(p.note.text(lang))]
+    text = p.note.text(lang)
+    body = [Markdown(gloss(text) if lang == "zh" else text)]
     tags = []
     if p.note.probes:
         tags.append(f"{label['probes']}: " + ", ".join(p.note.probes))
@@ -60,8 +62,9 @@ def render(console: Console, tree: SourceTree, symbol: Symbol, notes: list[Note]
     numbered = list(enumerate(places, 1))
     top = [(i, p) for i, p in numbered if p.note.anchor is None or not p.ok]
     inline = [(i, p) for i, p in numbered if p.note.anchor is not None and p.ok]
+    gloss = FirstUse()  # a glossary term's first use on this page gets its English
     for i, p in top:
-        console.print(_note_panel(i, p, lang, pin))
+        console.print(_note_panel(i, p, lang, pin, gloss))
 
     code = symbol.code
     syntax = Syntax(code, "python", theme="monokai", background_color="default")
@@ -83,4 +86,4 @@ def render(console: Console, tree: SourceTree, symbol: Symbol, notes: list[Note]
         row.add_row(gutter, line)
         console.print(row)
         for i, p in after.get(ln, []):
-            console.print(Padding(_note_panel(i, p, lang, pin), (0, 0, 0, width + 3)))
+            console.print(Padding(_note_panel(i, p, lang, pin, gloss), (0, 0, 0, width + 3)))

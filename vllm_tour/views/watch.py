@@ -1,9 +1,11 @@
 """`vllm-tour watch`: a live view of a run being written (a `trace` or a `serve` run).
 
-Each tick re-reads the run directory (the reader merges every process's records and skips a line still
-being written) and draws: the step rate, the queues of the last step, KV usage with the block grid, the
-last preemptions and prefix-cache hits. It ends by itself when meta.json says the run is over (ok, failed,
-interrupted), drawing the final picture once more; a run that is already over is drawn once.
+Each tick re-reads the end of the run directory: its last TAIL_STEPS steps, from the segments that hold
+them, so a run traced for hours costs no more per tick than a short one (the reader merges every process's
+records and skips a line still being written). It draws the step rate, the queues of the last step, KV
+usage with the block grid, the last preemptions and prefix-cache hits. It ends by itself when meta.json
+says the run is over (ok, failed, interrupted), drawing the final picture once more; a run that is
+already over is drawn once.
 """
 
 from __future__ import annotations
@@ -16,12 +18,13 @@ from rich.live import Live
 from rich.text import Text
 
 from vllm_tour.trace import levels
-from vllm_tour.trace.reader import Run, load_run
+from vllm_tour.trace.reader import Run, load_tail
 from vllm_tour.views.show import block_grid
 
 REFRESH_S = 0.5  # at least twice a second
 RATE_WINDOW_S = 5.0  # the step rate is over the steps of the last seconds (record times)
 EVENTS_SHOWN = 5
+TAIL_STEPS = 500  # read each tick: enough for the events shown and the rate at tens of steps a second
 
 
 def step_rate(run: Run, window_s: float = RATE_WINDOW_S) -> float | None:
@@ -56,7 +59,7 @@ def frame(run: Run) -> Group:
     last = run.steps[-1] if run.steps else None
     head = Text(f"{run.path.name} · pin {m.pin} · {m.model} · level {m.level} · {m.status}\n", style="bold")
     waiting = "rate: waiting for steps" if m.status == "running" else "rate: no step times (a golden keeps none)"
-    head.append(f"{len(run.steps)} steps · " + (f"{rate:.1f} steps/s" if rate else waiting))
+    head.append(f"{last.index if last else 0} steps · " + (f"{rate:.1f} steps/s" if rate else waiting))
     parts: list = [head]
     if last is not None and last.scheduler is not None:
         sc = last.scheduler
@@ -78,16 +81,16 @@ def frame(run: Run) -> Group:
 
 def watch(path: str | Path, console: Console, interval: float = REFRESH_S, max_seconds: float | None = None) -> Run:
     """Draw the run until it is over (or `max_seconds` pass); returns the last reading."""
-    run = load_run(path)
+    run = load_tail(path, TAIL_STEPS)
     started = time.monotonic()
     with Live(frame(run), console=console, refresh_per_second=max(2, round(1 / interval)), transient=False) as live:
         while run.meta.status == "running":
             if max_seconds is not None and time.monotonic() - started > max_seconds:
                 break
             time.sleep(interval)
-            run = load_run(run.path)
+            run = load_tail(run.path, TAIL_STEPS)
             live.update(frame(run))
     if not console.is_terminal:
         console.line()  # a pipe gets the last frame without its closing newline
-    console.print(Text(f"{run.path.name}: {run.meta.status}, {len(run.steps)} steps", style="bold"))
+    console.print(Text(f"{run.path.name}: {run.meta.status}, {run.steps[-1].index if run.steps else 0} steps", style="bold"))
     return run

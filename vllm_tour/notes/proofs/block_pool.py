@@ -99,6 +99,22 @@ def hashless_before_fresh_before_cached(run: Run) -> str:
     return _shown(found, "an allocation that mixes hashless freed blocks with never-used ones")
 
 
+def fresh_then_freed_in_free_order(run: Run) -> str:
+    """Releases whose free_blocks appends every freed block (v0.21.0): never-used blocks are handed out first,
+    then freed ones in the order they were freed, hashless or cached alike."""
+    found = []
+    for h in _replay_pool(run).handouts:
+        freed = [st in ("hashless", "cached") for st in h.states]
+        _need(freed == sorted(freed), h.step, f"{h.req_id} got {h.blocks} as {h.states}: a freed block before a never-used one")
+        order = [f for f, is_freed in zip(h.freed_at, freed) if is_freed]
+        _need(order == sorted(order), h.step, f"{h.req_id} got freed blocks "
+              f"{[b for b, x in zip(h.blocks, freed) if x]} out of the order they were freed")
+        if "hashless" in h.states and "fresh" in h.states:
+            found.append(f"step {h.step}: {h.req_id} got {h.blocks} as {h.states}: never used first, then freed "
+                         "blocks in the order they were freed, the hashless one given no preference")
+    return _shown(found, "an allocation that takes never-used blocks and then a hashless freed block")
+
+
 def cached_evicted_in_free_order(run: Run) -> str:
     """Cached blocks are evicted least recently freed first (a request's blocks tail first)."""
     rep = _replay_pool(run)
@@ -172,8 +188,9 @@ def only_hashed_blocks_evicted(run: Run) -> str:
     return _shown(found, "one allocation reusing both a hashless and a cached block")
 
 
-def _hit_free_balance(run: Run, want_free_hit: bool) -> str:
-    """free(step) = free(previous) + freed - newly allocated - hit blocks that were free (not held by anyone)."""
+def _hit_free_balance(run: Run, want_free_hit: bool) -> list[str]:
+    """free(step) = free(previous) + freed - newly allocated - hit blocks that were free (not held by anyone); the
+    hits on free blocks (want_free_hit) or on held ones, as evidence lines."""
     steps = _sched_steps(run)
     found = []
     for prev, s in zip(steps, steps[1:]):
@@ -195,15 +212,15 @@ def _hit_free_balance(run: Run, want_free_hit: bool) -> str:
             if not want_free_hit and shared:
                 found.append(f"step {s.index}: {h.req_id} hit {shared} held by a running request; free blocks "
                              f"{prev.kv.free_blocks} -> {kv.free_blocks} ({new} new, {len(kv.freed)} freed)")
-    return _shown(found, "a prefix hit on a free cached block" if want_free_hit else "a prefix hit on held blocks")
+    return found
 
 
 def hit_takes_block_from_free_pool(run: Run) -> str:
-    return _hit_free_balance(run, want_free_hit=True)
+    return _shown(_hit_free_balance(run, want_free_hit=True), "a prefix hit on a free cached block")
 
 
 def hit_on_held_blocks_costs_nothing(run: Run) -> str:
-    return _hit_free_balance(run, want_free_hit=False)
+    return _shown(_hit_free_balance(run, want_free_hit=False), "a prefix hit on held blocks")
 
 
 def pool_is_the_override(run: Run) -> str:

@@ -206,6 +206,7 @@ def null_block_never_in_tables(run: Run) -> str:
         for r, t in s.kv.block_tables.items():
             _need(0 not in t, s.index, f"{r}'s block table {t} holds block 0")
     ids = {b for s in steps for t in s.kv.block_tables.values() for b in t}
+    _need(bool(ids), None, "no request ever held a block")
     override = run.meta.engine_args.get("num_gpu_blocks_override")
     _need(override is None or steps[0].kv.num_blocks == override - 1, steps[0].index,
           f"pool of {override} blocks reports {steps[0].kv.num_blocks} usable")
