@@ -21,10 +21,13 @@ def tree_for_pin(tag: str | None = None, status: Callable[[str], None] | None = 
     if tag in _TREES:
         return _TREES[tag]
     pin = pins.load_pin(tag)  # unknown pin: TourError naming the known ones
-    try:
-        root = pins.pin_sources(tag)
-    except TourError:
-        root = envs.env_sources(tag)
+    # a `pin add` environment holds the release as installed and run; a cached copy of its wheel may be older
+    root = envs.env_sources(tag)
+    if root is None:
+        try:
+            root = pins.pin_sources(tag)
+        except TourError:
+            root = None
     if root is None:
         dist = pin.distributions.get(pin.platform) or next(iter(pin.distributions.values()))
         if status:
