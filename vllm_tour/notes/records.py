@@ -133,6 +133,7 @@ def counts(rs: list[Row]) -> dict[str, int]:
     return {"notes": len(rs), "proven": sum(r.proven for r in rs),
             "reason": sum(not r.proven and bool(r.hand.reason.strip()) for r in rs),
             "read_whole": sum(r.hand.read == "whole" for r in rs),
+            "read_partly": sum(r.hand.read != "whole" and bool(r.hand.conditions.strip()) for r in rs),
             "changed": sum(bool(r.hand.changed.strip()) for r in rs)}
 
 
@@ -158,7 +159,8 @@ def render(rs: list[Row]) -> str:
         "",
         f"{c['notes']} notes: {c['proven']} proven on a live run, {c['reason']} with a reason why not; "
         f"{c['read_whole']} read whole against upstream's function (conditions listed), the other "
-        f"{c['notes'] - c['read_whole']} with the mechanical columns only; {c['changed']} changed by that reading.",
+        f"{c['notes'] - c['read_whole']} not ({c['read_partly']} of them with conditions read around the anchor only, "
+        f"the rest with the mechanical columns only); {c['changed']} changed by that reading.",
         "",
         "Columns: **lines** — the anchored statement on each pin the note claims (`[own text]`: its variant), inside "
         "the symbol's lines; **proof** — `check` (scenario) per release `annotations verify` holds it to; "
