@@ -307,6 +307,33 @@ def annotations_verify(
     raise typer.Exit(verify(console, pin, note, as_json, proofs, record, recorded, run))
 
 
+@annotations_app.command("records")
+def annotations_records(
+    write: bool = flag("--write", help="Regenerate annotations/records/notes.md (the hand-written columns come from "
+                       "annotations/records/reasons.toml)."),
+):
+    """The per-note record: the lines each note was checked against on each pin, its proof per release, or why it
+    has none. Exit 1 when a note has neither a proof nor a reason, or (without --write) the record is stale."""
+    from vllm_tour.notes import records
+
+    rs = records.rows(records.trees())
+    bad = records.problems(rs)
+    for line in bad:
+        console.print(line, markup=False, highlight=False)
+    text = records.render(rs)
+    c = records.counts(rs)
+    console.print(f"{c['notes']} notes: {c['proven']} proven, {c['reason']} with a reason, {c['read_whole']} read whole, "
+                  f"{c['changed']} changed", markup=False, highlight=False)
+    if write:
+        records.RECORD.parent.mkdir(parents=True, exist_ok=True)
+        records.RECORD.write_text(text, encoding="utf-8")
+        console.print(f"wrote {records.RECORD}", markup=False, highlight=False)
+    elif not records.RECORD.is_file() or records.RECORD.read_text(encoding="utf-8") != text:
+        console.print(f"{records.RECORD} is stale: run `vllm-tour annotations records --write`", markup=False, highlight=False)
+        raise typer.Exit(1)
+    raise typer.Exit(1 if bad else 0)
+
+
 @annotations_app.command("lint")
 def annotations_lint():
     """Lint the Chinese texts: glossary terms and punctuation; `note-id: problem` lines, exit 1 when any."""
