@@ -71,8 +71,8 @@ def test_reversed_batch_rows_diverge_on_row_order(compare_upstream, upstream_run
 def test_logits_rows_off_by_one_diverge(compare_upstream, monkeypatch):
     prepare = engine.Engine.prepare_inputs
 
-    def logits_one_early(self, batch):
-        input_ids, positions, meta, logits_idx = prepare(self, batch)
+    def logits_one_early(self, batch, drafts):
+        input_ids, positions, meta, logits_idx = prepare(self, batch, drafts)
         return input_ids, positions, meta, [i - 1 for i in logits_idx]
 
     monkeypatch.setattr(engine.Engine, "prepare_inputs", logits_one_early)
