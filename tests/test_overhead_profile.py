@@ -16,8 +16,10 @@ def test_overhead_profile_times_the_slack_the_hooks_and_their_parts(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     slack = {float(k): v for k, v in result["slack_ms_per_step"].items()}
-    # 3 ms of busy host time per schedule() call, on steps of a few ms: each round with it is slower
-    assert min(slack[3000.0]) > max(slack[0.0]) + 1.5, slack
+    # 3 ms of busy host time per schedule() call, on steps of a few ms: the fastest round with it is slower than
+    # the fastest without (fastest against fastest: a round slowed by another job on a shared machine is not the
+    # engine; one such round took 110 ms against 26 on a loaded 2-core machine)
+    assert min(slack[3000.0]) > min(slack[0.0]) + 1.5, slack
     hooks = result["hooks_us_per_step"]
     assert {"scheduler.schedule.after", "attention.build.after", "runner.sample_tokens.after"} <= hooks.keys()
     sections = result["sections_us_per_step"]
