@@ -15,6 +15,7 @@ import shlex
 import shutil
 import subprocess
 import tempfile
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,7 @@ from vllm_tour.notes.pinned import tree_for_pin
 from vllm_tour.trace.reader import load_run
 
 ARTIFACTS = REPO_ROOT / "test-artifacts"
+SERVING = tomllib.loads((REPO_ROOT / "annotations" / "serving.toml").read_text(encoding="utf-8"))["title"]["en"]
 SCHED_PAGE = "sym/vllm.v1.core.sched.scheduler.Scheduler.schedule.html"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
@@ -147,7 +149,9 @@ def test_index_follows_the_journey_and_links_concepts(site, browser):
     browser.goto((site / "index.html").as_uri())
     subs = browser.js("[...document.querySelectorAll('section.sub h3 [lang=en]')].map(e => e.textContent)")
     # the request's journey, then what changed between releases (annotations/release_changes.toml)
-    assert subs[0].startswith("Entrypoint") and "Scheduler" in subs and subs[-2] == "Output processing"
+    assert subs[0].startswith("Entrypoint") and "Scheduler" in subs
+    # the request's way back out, then the same path behind `vllm serve`, then what changed between releases
+    assert subs.index("Output processing") < subs.index(SERVING) == len(subs) - 2
     assert subs[-1] == "Between releases: what changed, and where"
     assert subs == [s.title["en"] for s in load_all()]
     # every concept row links to at least one note, and the preemption row to the scheduler
