@@ -368,3 +368,23 @@ def test_glossary_page_and_first_use_glosses(site, browser):
         # the first use not followed by a parenthesis of its own ("抢占（FCFS 下……）" passes the gloss on)
         first = [i for i in own if not text.startswith("（", i + len(t.zh)) or i in glossed_at][:1]
         assert glossed_at == first, (t.en, own, glossed_at)
+
+
+def test_each_note_says_which_releases_it_was_checked_against(site):
+    """A note card lists the releases it was checked against (its pins, its own texts, digests accepted in
+    annotations/checked.json), marks a release with its own text, and names those it does not apply to."""
+    from vllm_tour.notes.checked import load_checked
+
+    checked = load_checked()
+    page = (site / SCHED_PAGE).read_text(encoding="utf-8")
+    notes = [n for n in load_all() if n.name == "scheduler"][0].notes
+    on_page = [n for n in notes if f'id="note-{n.id}"' in page]
+    assert any(n.variant for n in on_page) and any(n.not_on for n in on_page)  # both kinds: the checks can fail
+    for n in on_page:
+        card = page.split(f'id="note-{n.id}"')[1].split('<div class="note')[0]
+        for tag in set(n.pins) | set(n.variant) | set(checked.get(n.id, {})):
+            assert f"<code>{tag}</code>" in card, (n.id, tag)
+        for tag in n.variant:
+            assert f"<code>{tag}</code> (" in card, (n.id, tag)
+        for tag in n.not_on:
+            assert "not on" in card and f"<code>{tag}</code>" in card.split("not on")[-1], (n.id, tag)

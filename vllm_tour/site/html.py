@@ -18,6 +18,7 @@ from pygments.formatters import HtmlFormatter
 from pygments.lexers import PythonLexer
 
 from vllm_tour.notes.annotations import LANGS, Subsystem, all_notes, caution_text
+from vllm_tour.notes.checked import load_checked
 from vllm_tour.notes.concepts import CONCEPTS
 from vllm_tour.notes.glossary import FirstUse, load_glossary
 from vllm_tour.notes.locate import Placement, locate
@@ -32,7 +33,8 @@ _UI = {
            "proven": "proven on a live run of", "traces": "Traces, step by step",
            "repros": "Reproduced upstream issues", "repros_page": "The repro library: verdict per pin, notes on the code",
            "glossary": "Glossary", "glossary_page": "The terms the notes use, and their one Chinese rendering",
-           "term": "term", "rendering": "Chinese", "meaning": "meaning", "not": "never written"},
+           "term": "term", "rendering": "Chinese", "meaning": "meaning", "not": "never written",
+           "checked_on": "checked against", "own_text": "its own text", "not_on": "not on"},
     "zh": {"journey": "请求的旅程", "concepts": "从 trace 到代码", "notes": "条注解", "note": "条注解", "field": "trace 字段",
            "code": "代码", "back": "← 目录", "orphan": "在此 pin 上无法定位", "whole": "针对整个符号",
            "probes": "探针", "see": "参见", "prev": "上一页", "next": "下一页",
@@ -40,7 +42,8 @@ _UI = {
            "proven": "已在真实运行中验证：", "traces": "逐步查看 trace",
            "repros": "复现的上游问题", "repros_page": "复现库：各 pin 的结论与相关代码的注解",
            "glossary": "术语表", "glossary_page": "注解所用的术语及其唯一的中文译法",
-           "term": "术语", "rendering": "中文", "meaning": "含义", "not": "不写作"},
+           "term": "术语", "rendering": "中文", "meaning": "含义", "not": "不写作",
+           "checked_on": "核对过的版本", "own_text": "有专门的文本", "not_on": "不适用于"},
 }
 
 _CSS = """
@@ -171,6 +174,7 @@ class _Links:
         self.notes = {n.id: n.symbol for n in all_notes(subs)}
         self.proofs = proofs or {}  # note id -> verify.Proof on this pin
         self.traces = traces or {}  # golden run name -> its trace page (from the site root)
+        self.checked = load_checked()  # note id -> pin -> accepted digests: where a reviewer checked it
 
     def href(self, target: str, root: str) -> str | None:
         if target in self.notes:
@@ -186,6 +190,21 @@ class _Links:
         return f'<a class="internal" href="{esc(h)}" title="{esc(target)}">{label}</a>' if h else f"<code>{esc(target)}</code>"
 
 
+def _version(tag: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in re.findall(r"\d+", tag))
+
+
+def _releases(n, accepted: dict) -> str:
+    """The releases the note was checked against (its pins, its own texts, digests accepted in checked.json),
+    newest first, and those it is marked not to apply to."""
+    checked = sorted(set(n.pins) | set(n.variant) | set(accepted), key=_version, reverse=True)
+    cells = [f"<code>{esc(t)}</code>" + (f" ({_ui('own_text')})" if t in n.variant else "") for t in checked]
+    line = f'<span class="releases">{_ui("checked_on")}: {", ".join(cells)}'
+    if n.not_on:
+        line += f" · {_ui('not_on')}: " + ", ".join(f"<code>{esc(t)}</code>" for t in sorted(n.not_on, key=_version))
+    return line + "</span>"
+
+
 def _note_card(i: int, p: Placement, links: _Links, pin: str, gloss: FirstUse) -> str:
     n = p.note
     where = f"L{p.span.start}–{p.span.end}" if p.ok and n.anchor else _ui("whole")
@@ -199,6 +218,7 @@ def _note_card(i: int, p: Placement, links: _Links, pin: str, gloss: FirstUse) -
                     + both({"en": en, "zh": zh}) + "</a>")
     if n.see:
         tags.append(_ui("see") + ": " + " ".join(links.link(t, "../") for t in n.see))
+    tags.append(_releases(n, links.checked.get(n.id, {})))
     proof = links.proofs.get(n.id)
     if proof:
         run = (f'<a class="internal" href="../{esc(links.traces[proof.scenario])}">{esc(proof.scenario)}</a>'
