@@ -57,6 +57,21 @@ def no_long_prefill_cap(run: Run) -> str:
     return _shown(found, "a chunk beside other requests")
 
 
+def lone_prefill_not_capped(run: Run) -> str:
+    """From v0.31.0 a request alone in the engine is not held to long_prefill_token_threshold: its prefill takes what
+    the budget allows, above the threshold."""
+    threshold = run.meta.engine_args.get("long_prefill_token_threshold") or 0
+    _need(threshold > 0, None, "the run set no long_prefill_token_threshold")
+    found = []
+    for s in _sched_steps(run):
+        sc = s.scheduler
+        for e in sc.scheduled:
+            if e.is_prefill and sc.running_before + sc.waiting_before == 1 and e.num_scheduled_tokens > threshold:
+                found.append(f"step {s.index}: {e.req_id}, alone, prefills {e.num_scheduled_tokens} tokens in one step "
+                             f"(long_prefill_token_threshold {threshold})")
+    return _shown(found, "a lone request's prefill above long_prefill_token_threshold")
+
+
 def waiting_prompt_chunked(run: Run) -> str:
     """Chunked prefill is on by default: a new prompt larger than the budget left is admitted with a chunk."""
     found = []
