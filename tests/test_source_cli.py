@@ -6,13 +6,12 @@ import json
 import re
 
 import pytest
-
 from rich.console import Console
 
-from vllm_tour.paths import ANNOTATIONS_DIR
-from vllm_tour.notes.annotations import all_notes, load_all
-from vllm_tour.site.commands import run_check
+from vllm_tour.notes.annotations import all_notes, load_all, on_pin
 from vllm_tour.notes.pinned import tree_for_pin
+from vllm_tour.paths import ANNOTATIONS_DIR
+from vllm_tour.site.commands import run_check
 
 SCHED = "vllm.v1.core.sched.scheduler.Scheduler.schedule"
 
@@ -37,7 +36,7 @@ def test_source_shows_notes_in_place(schedule_en):
     assert "Reserve KV slots for the new tokens" in "\n".join(out[panel : panel + 6])
     # a note on the whole symbol comes before the code
     assert schedule_en.index("sched-no-phases") < schedule_en.index(f"{sym.span.start} │")
-    n = sum(1 for x in all_notes(load_all()) if x.symbol == SCHED)
+    n = sum(1 for x in all_notes(on_pin(load_all(), "v0.32.0")) if x.symbol == SCHED)  # a note not on the pin is hidden
     assert f"{n} notes" in out[0]
 
 
@@ -133,8 +132,8 @@ def test_per_pin_applicability_decides_what_is_shown_and_checked(tmp_path, monke
     """A note says where it was checked (`pins`), where it does not apply (`not_on`) and a pin's own text
     (`variant`); unchecked on a pin whose code has it, it is shown with a caution and check fails."""
     from vllm_tour.notes import checked
-    from vllm_tour.site import commands
     from vllm_tour.notes.annotations import on_pin
+    from vllm_tour.site import commands
 
     monkeypatch.setattr(checked, "CHECKED_FILE", tmp_path / "checked.json")  # each variant accepted, as reviewed
     src = (ANNOTATIONS_DIR / "block_pool.toml").read_text(encoding="utf-8")
@@ -192,8 +191,8 @@ def test_check_installed_pin_is_clean(cli):
 
 def test_an_unknown_key_in_an_annotation_file_is_an_error_naming_file_note_and_key(tmp_path):
     from vllm_tour.errors import TourError
-    from vllm_tour.paths import ANNOTATIONS_DIR
     from vllm_tour.notes.annotations import load_file
+    from vllm_tour.paths import ANNOTATIONS_DIR
 
     src = next(p for p in sorted(ANNOTATIONS_DIR.glob("*.toml")) if "\nanchor = " in p.read_text(encoding="utf-8"))
     bad = tmp_path / src.name
