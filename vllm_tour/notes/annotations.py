@@ -181,6 +181,16 @@ class Subsystem(BaseModel):
         return list(dict.fromkeys(n.symbol for n in self.notes))
 
 
+def read_toml(path: Path) -> dict:
+    """A hand-written TOML file of the notes (proofs, reasons): an unreadable or malformed one is one error line."""
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise TourError(f"cannot read {path}: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise TourError(f"{path}: not valid TOML ({e})") from None
+
+
 def load_file(path: Path) -> Subsystem:
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))

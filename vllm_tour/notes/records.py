@@ -17,14 +17,13 @@ A note with no proof and no reason, a reason on a proven note and an entry for n
 
 from __future__ import annotations
 
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from vllm_tour.errors import TourError
-from vllm_tour.notes.annotations import Note, all_notes, load_all
+from vllm_tour.notes.annotations import Note, all_notes, load_all, read_toml
 from vllm_tour.notes.check import check_pin
 from vllm_tour.notes.resolve import SourceTree
 from vllm_tour.paths import ANNOTATIONS_DIR
@@ -58,12 +57,7 @@ class Row:
 
 
 def load_reasons(path: Path = REASONS) -> dict[str, Reason]:
-    try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise TourError(f"cannot read {path}: {e.strerror}") from None
-    except tomllib.TOMLDecodeError as e:
-        raise TourError(f"{path}: not valid TOML ({e})") from None
+    data = read_toml(path)
     out = {}
     for note_id, entry in data.items():
         try:

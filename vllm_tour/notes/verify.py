@@ -26,7 +26,6 @@ import inspect
 import json
 import os
 import sys
-import tomllib
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -38,7 +37,7 @@ from rich.table import Table
 
 from vllm_tour.errors import TourError
 from vllm_tour.notes import proofs
-from vllm_tour.notes.annotations import LANGS, all_notes, load_all
+from vllm_tour.notes.annotations import LANGS, all_notes, load_all, read_toml
 from vllm_tour.notes.proofs.requirements import requirements
 from vllm_tour.paths import ANNOTATIONS_DIR, GOLDEN_DIR, SCENARIOS_DIR
 from vllm_tour.upstream import pins
@@ -82,12 +81,7 @@ class Verdict:
 def load_proofs(path: Path, claims: bool = True) -> dict[str, Proof]:
     """Note id -> Proof; TourError for a malformed file, an unknown note, scenario or check, and (claims) an
     entry without its claim."""
-    try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise TourError(f"cannot read {path}: {e.strerror}") from None
-    except tomllib.TOMLDecodeError as e:
-        raise TourError(f"{path}: not valid TOML ({e})") from None
+    data = read_toml(path)
     notes = {n.id for n in all_notes(load_all())}
     out = {}
     for note_id, entry in data.items():
