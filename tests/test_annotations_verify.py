@@ -306,6 +306,7 @@ SERVE_MISSING = {
     "front_end_tokens_are_engine_tokens": "the run never shows a request that ended on its own",
     "stop_string_is_an_engine_abort": "the run never shows a request ended by a stop string",
     "aborted_output_dropped": "the run never shows a client-aborted request the engine sampled past",
+    "stop_string_ends_a_running_request": "the run never shows a request ended by a stop string with the runner's",
 }
 
 
@@ -341,6 +342,9 @@ SERVE_MUTATIONS = {  # each contradicts, in a copy of the kept serve run, what o
     "stop_string_is_an_engine_abort": lambda run: _drop_abort_of(
         run, next(r for r in run.server_requests if isinstance(r.stop_reason, str)).req_id),
     "aborted_output_dropped": lambda run: _first(run, finish_reason="abort").token_ids.insert(0, -1),
+    "stop_string_ends_a_running_request": lambda run: [  # the core had finished it: no abort while RUNNING
+        setattr(a, "status_before", "FINISHED_STOPPED") for s in run.steps for a in s.aborts
+        if a.req_id == next(r for r in run.server_requests if isinstance(r.stop_reason, str)).req_id],
 }
 
 
