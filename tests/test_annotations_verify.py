@@ -356,6 +356,19 @@ def test_a_serve_check_fails_when_the_served_run_contradicts_it(check):
         verify.CHECKS[check](run)
 
 
+def test_output_after_a_stop_string_must_be_dropped_too():
+    """serve-drop-after-abort's second case: a stop-string request whose kept tokens are not a prefix of the engine's
+    fails the check, and a run without a stop-string request cannot prove it."""
+    run = _served_run()
+    next(r for r in run.server_requests if isinstance(r.stop_reason, str)).token_ids.insert(0, -1)
+    with pytest.raises(proofs.ClaimFailed, match="not a prefix"):
+        verify.CHECKS["aborted_output_dropped"](run)
+    run = _served_run()
+    run.server_requests = [r for r in run.server_requests if not isinstance(r.stop_reason, str)]
+    with pytest.raises(proofs.ClaimFailed, match="never shows a stop-string request"):
+        verify.CHECKS["aborted_output_dropped"](run)
+
+
 def test_verify_run_checks_the_serve_claims_on_a_serve_run(cli):
     served = verify.recorded_run(PIN, verify.SERVE)
     r = cli("annotations", "verify", "--run", served, "--json")

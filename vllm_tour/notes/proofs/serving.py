@@ -157,17 +157,23 @@ def stop_string_ends_a_running_request(run: Run) -> str:
 
 
 def aborted_output_dropped(run: Run) -> str:
-    """After the client hangs up the engine samples on until the abort reaches it; the front end drops those
-    tokens: what it kept is a prefix of what the engine sampled, shorter by at least one token."""
+    """After the client hangs up, or the front end finds a stop string, the engine samples on until the abort
+    reaches it; the front end drops those tokens: what it kept is a prefix of what the engine sampled, shorter by
+    at least one token for some client-aborted request. A stop-string request's kept tokens are a prefix too."""
     engine = _engine_tokens(run)
-    found = []
-    for r in _client_aborted(run):
-        if r.req_id not in engine:
+    found, stopped = [], []
+    for r in run.server_requests:
+        by_stop_string = r.finish_reason == "stop" and isinstance(r.stop_reason, str)
+        if (r.finish_reason != "abort" and not by_stop_string) or r.req_id not in engine:
             continue
         sampled, kept = engine[r.req_id], list(r.token_ids)
         _need(sampled[:len(kept)] == kept, None,
               f"{r.api_id}: the front end kept {kept}, not a prefix of the engine's {sampled}")
-        if len(sampled) > len(kept):
+        if by_stop_string:
+            stopped.append(f"{r.req_id} (stop string {r.stop_reason!r}): the engine sampled "
+                           f"{_tokens(len(sampled))}, the front end kept the first {len(kept)}")
+        elif len(sampled) > len(kept):
             found.append(f"{r.req_id}: the engine sampled {_tokens(len(sampled))}, the front end kept the first "
                          f"{len(kept)} and dropped {len(sampled) - len(kept)}")
-    return _shown(found, "a client-aborted request the engine sampled past (runner records: --level full)")
+    aborted = _shown(found, "a client-aborted request the engine sampled past (runner records: --level full)")
+    return aborted + "; " + _shown(stopped, "a stop-string request with the runner's sampled tokens recorded")
