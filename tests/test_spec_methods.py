@@ -10,23 +10,24 @@ import pytest
 from vllm_tour.trace.reader import load_run
 from vllm_tour.upstream.draft_models import head_config_and_weights
 
-K = 3  # num_speculative_tokens in every spec_<method>.toml
-# scenario -> (proposer the records name, KV slots the KV manager reserves for the drafter per request)
+# scenario -> (proposer the records name, num_speculative_tokens k, KV slots the KV manager reserves for the
+# drafter per request)
 METHODS = {
-    "spec_draft_model": ("draft_model", K),  # the draft model writes its own KV for its k passes
-    "spec_eagle": ("eagle", K),
-    "spec_eagle3": ("eagle3", K),
-    "spec_medusa": ("medusa", 0),  # heads on the target's hidden state: no KV of their own
+    "spec_draft_model": ("draft_model", 3, 3),  # the draft model writes its own KV for its k passes
+    "spec_eagle": ("eagle", 3, 3),
+    "spec_eagle3": ("eagle3", 3, 3),
+    "spec_medusa": ("medusa", 3, 0),  # heads on the target's hidden state: no KV of their own
+    "spec_mtp": ("mtp", 1, 1),  # MiMo's one MTP layer (dummy weights)
 }
 
 
 @pytest.mark.parametrize("scenario", list(METHODS))
 def test_method_runs_and_its_drafts_are_recorded(trace_runs, cli, scenario):
-    proposer, lookahead = METHODS[scenario]
+    proposer, k, lookahead = METHODS[scenario]
     run = load_run(trace_runs.get(scenario))
     proposals = [s for s in run.steps if s.spec_proposal]
     assert proposals and {s.spec_proposal.proposer for s in proposals} == {proposer}
-    assert all(0 < len(d) <= K for s in proposals for rid, d in s.spec_proposal.proposed.items()
+    assert all(0 < len(d) <= k for s in proposals for rid, d in s.spec_proposal.proposed.items()
                if rid not in s.spec_proposal.ignored), "every request gets drafts, at most k"
     steps = {s.index: s for s in run.steps}
     verified = [(s, v) for s in run.steps if s.spec_verify for v in s.spec_verify.requests]

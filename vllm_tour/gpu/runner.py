@@ -77,7 +77,8 @@ REPO = Path(__file__).resolve().parents[2]
 TRACE_SCENARIOS = ("single", "concurrent8", "chunked_prefill", "preemption", "shared_prefix")
 # `--trace-scenarios spec`: the speculative methods on the CUDA engine. ngram_gpu first (the CPU build refuses it:
 # no pinned memory), ngram for reference, then those that also ran on CPU (README: "which ran where")
-SPEC_SCENARIOS = ("spec_ngram_gpu", "spec_ngram", "spec_draft_model", "spec_eagle", "spec_eagle3", "spec_medusa")
+SPEC_SCENARIOS = ("spec_ngram_gpu", "spec_ngram", "spec_draft_model", "spec_eagle", "spec_eagle3", "spec_medusa",
+                  "spec_mtp")
 SCENARIO_GROUPS = {"spec": SPEC_SCENARIOS}
 COMPARE_SCENARIOS = ("cmp_single", "cmp_chunked", "cmp_preempt", "cmp_shared_prefix",
                      "cmp_single_bf16", "cmp_chunked_bf16", "cmp_preempt_bf16")

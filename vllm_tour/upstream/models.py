@@ -326,6 +326,12 @@ def resolve_model(name: str, load_format: str = "auto") -> Path:
         raise TourError(f"unknown load format {load_format!r} (known: {', '.join(LOAD_FORMATS)})")
     if name in TINY_MODELS:
         return make_tiny_model(name)
+    from vllm_tour.upstream.draft_models import MTP_TARGETS, make_mtp_target
+
+    if name in MTP_TARGETS:
+        if load_format != "dummy":
+            raise TourError(f"model '{name}' has no weights of its own: run it with load_format dummy")
+        return make_mtp_target(name)
     p = Path(name).expanduser()
     if p.exists():
         if not (p / "config.json").exists():
