@@ -63,3 +63,13 @@ def test_draft_heads_have_upstreams_names_and_shapes():
     assert w["fc.weight"].shape == (256, n_aux * 256) and w["midlayer.self_attn.q_proj.weight"].shape == (256, 512)
     cfg, w = head_config_and_weights("tiny-qwen3-medusa")
     assert sorted(k for k in w if k.startswith("lm_heads.")) == [f"lm_heads.{i}.weight" for i in range(cfg["num_heads"])]
+
+
+def test_no_drafter_changes_the_greedy_tokens(trace_runs):
+    """Same target, same prompts, greedy: the self-draft that is always right and the random heads that are always
+    wrong leave the same tokens (a verification that kept a wrong draft would show here)."""
+    outs = {name: {o.req_id: o.token_ids for o in load_run(trace_runs.get(name)).outputs.requests}
+            for name in METHODS if name != "spec_mtp"}  # spec_mtp: another target (dummy weights)
+    first = next(iter(outs.values()))
+    assert all(len(t) == 12 for t in first.values())
+    assert all(o == first for o in outs.values()), outs
