@@ -211,14 +211,15 @@ def test_carried_models_become_every_steps_model_cache(tmp_path, monkeypatch):
     assert "VLLM_TOUR_CACHE" not in runner.step_env({}, None)
 
 
-def test_spec_group_names_every_spec_scenario_once():
+def test_spec_group_names_every_spec_scenario_once(monkeypatch):
     """`--trace-scenarios spec` runs each speculative method's scenario, ngram_gpu (refused on CPU) first."""
     from vllm_tour.scenario import load_scenario
 
-    a = runner.build_parser().parse_args(["all", "--out", "/tmp/x", "--trace-scenarios", "spec,spec_ngram",
-                                          "--compare-scenarios", ""])
-    a.trace_scenarios = runner.expand_groups(a.trace_scenarios)
-    cmd = runner.step_commands(a)["trace"]
+    seen = []
+    monkeypatch.setattr(runner, "cmd_all", lambda a: seen.append(a) or 0)
+    assert runner.main(["all", "--out", "/tmp/x", "--steps", "trace", "--trace-scenarios", "spec,spec_ngram",
+                        "--compare-scenarios", ""]) == 0
+    cmd = runner.step_commands(seen[0])["trace"]
     assert cmd[cmd.index("--scenarios") + 1] == ",".join(runner.SPEC_SCENARIOS)
     methods = [load_scenario(REPO / "traces" / "scenarios" / f"{n}.toml").engine.extra["speculative_config"]["method"]
                for n in runner.SPEC_SCENARIOS]
