@@ -33,7 +33,8 @@ import numpy as np
 
 from vllm_tour.errors import TourError
 from vllm_tour.paths import cache_dir
-from vllm_tour.upstream.models import CONFIGS, GENERATOR_VERSION, TINY_MODELS, _linear, _Stream, built_in_place, make_tiny_model
+from vllm_tour.upstream.models import (CONFIGS, GENERATOR_VERSION, TINY_MODELS, SeededStream, built_in_place,
+                                       make_tiny_model, seeded_linear)
 
 TARGET = "tiny-qwen3"
 # name -> (seed, upstream architecture); each head's seed is its own, so no head repeats the target's numbers
@@ -47,17 +48,17 @@ EAGLE3_AUX_LAYERS = [0, 1, 2]  # the target's hidden states after its embedding,
 MTP_TARGETS = ("tiny-mimo-mtp",)
 
 
-def _llama_layer(s: _Stream, p: str, cfg: dict, attn_in: int) -> dict[str, np.ndarray]:
+def _llama_layer(s: SeededStream, p: str, cfg: dict, attn_in: int) -> dict[str, np.ndarray]:
     h, hd, nh, nkv, inter = (cfg[k] for k in ("hidden_size", "head_dim", "num_attention_heads", "num_key_value_heads",
                                                "intermediate_size"))
     return {
-        p + "self_attn.q_proj.weight": _linear(s, nh * hd, attn_in, 2.0),
-        p + "self_attn.k_proj.weight": _linear(s, nkv * hd, attn_in, 2.0),
-        p + "self_attn.v_proj.weight": _linear(s, nkv * hd, attn_in, 1.0),
-        p + "self_attn.o_proj.weight": _linear(s, h, nh * hd, 1.0),
-        p + "mlp.gate_proj.weight": _linear(s, inter, h, 1.0),
-        p + "mlp.up_proj.weight": _linear(s, inter, h, 1.0),
-        p + "mlp.down_proj.weight": _linear(s, h, inter, 1.0),
+        p + "self_attn.q_proj.weight": seeded_linear(s, nh * hd, attn_in, 2.0),
+        p + "self_attn.k_proj.weight": seeded_linear(s, nkv * hd, attn_in, 2.0),
+        p + "self_attn.v_proj.weight": seeded_linear(s, nkv * hd, attn_in, 1.0),
+        p + "self_attn.o_proj.weight": seeded_linear(s, h, nh * hd, 1.0),
+        p + "mlp.gate_proj.weight": seeded_linear(s, inter, h, 1.0),
+        p + "mlp.up_proj.weight": seeded_linear(s, inter, h, 1.0),
+        p + "mlp.down_proj.weight": seeded_linear(s, h, inter, 1.0),
         p + "post_attention_layernorm.weight": np.ones(h, np.float32),
     }
 
@@ -67,14 +68,14 @@ def head_config_and_weights(name: str) -> tuple[dict, dict[str, np.ndarray]]:
     seed, arch = DRAFT_HEADS[name]
     t = CONFIGS[TARGET]
     h, v = t["hidden_size"], t["vocab_size"]
-    s = _Stream(seed)
+    s = SeededStream(seed)
     if arch == "MedusaModel":
         cfg = {"model_type": "medusa", "architectures": [arch], "hidden_size": h, "vocab_size": v,
                "num_heads": MEDUSA_HEADS, "num_hidden_layers": 1, "torch_dtype": "float32"}
         w = {}
         for i in range(MEDUSA_HEADS):
-            w[f"blocks.{i}.layers.0.weight"] = _linear(s, h, h, 1.0)
-            w[f"lm_heads.{i}.weight"] = _linear(s, v, h, 8.0)
+            w[f"blocks.{i}.layers.0.weight"] = seeded_linear(s, h, h, 1.0)
+            w[f"lm_heads.{i}.weight"] = seeded_linear(s, v, h, 8.0)
         return cfg, w
     llama = {k: t[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
                                "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps",
@@ -83,15 +84,15 @@ def head_config_and_weights(name: str) -> tuple[dict, dict[str, np.ndarray]]:
            "mlp_bias": False}
     if arch == "EagleLlamaForCausalLM":
         w = _llama_layer(s, "layers.0.", cfg, h)
-        w["fc.weight"] = _linear(s, h, 2 * h, 1.0)
+        w["fc.weight"] = seeded_linear(s, h, 2 * h, 1.0)
         return cfg, w
     cfg.update(draft_vocab_size=v, eagle_config={"eagle_aux_hidden_state_layer_ids": EAGLE3_AUX_LAYERS})
     w = _llama_layer(s, "midlayer.", cfg, 2 * h)
     w["midlayer.input_layernorm.weight"] = np.ones(h, np.float32)
     w["midlayer.hidden_norm.weight"] = np.ones(h, np.float32)
-    w["fc.weight"] = _linear(s, h, len(EAGLE3_AUX_LAYERS) * h, 1.0)
+    w["fc.weight"] = seeded_linear(s, h, len(EAGLE3_AUX_LAYERS) * h, 1.0)
     w["norm.weight"] = np.ones(h, np.float32)
-    w["lm_head.weight"] = _linear(s, v, h, 8.0)
+    w["lm_head.weight"] = seeded_linear(s, v, h, 8.0)
     return cfg, w
 
 
