@@ -46,6 +46,8 @@ DRAFT_HEADS = {
 MEDUSA_HEADS = 3
 EAGLE3_AUX_LAYERS = [0, 1, 2]  # the target's hidden states after its embedding, layer 0 and layer 1
 MTP_TARGETS = ("tiny-mimo-mtp",)
+# Bump when a head or the MTP target changes: it names their cache directories (with models.GENERATOR_VERSION)
+DRAFT_VERSION = 1
 
 
 def _llama_layer(s: SeededStream, p: str, cfg: dict, attn_in: int) -> dict[str, np.ndarray]:
@@ -96,11 +98,15 @@ def head_config_and_weights(name: str) -> tuple[dict, dict[str, np.ndarray]]:
     return cfg, w
 
 
+def _cache_dir(name: str) -> Path:
+    return cache_dir() / "models" / f"{name}-g{GENERATOR_VERSION}-d{DRAFT_VERSION}"
+
+
 def make_draft_head(name: str) -> Path:
     """Generate (or reuse) a draft head's directory in the model cache."""
     if name not in DRAFT_HEADS:
         raise TourError(f"unknown draft head '{name}' (known: {', '.join(DRAFT_HEADS)})")
-    dest = cache_dir() / "models" / f"{name}-g{GENERATOR_VERSION}"
+    dest = _cache_dir(name)
     if (dest / "model.safetensors").exists():
         return dest
     from safetensors.numpy import save_file
@@ -118,7 +124,7 @@ def make_mtp_target(name: str) -> Path:
 
     if name not in MTP_TARGETS:
         raise TourError(f"unknown MTP target '{name}' (known: {', '.join(MTP_TARGETS)})")
-    dest = cache_dir() / "models" / f"{name}-g{GENERATOR_VERSION}"
+    dest = _cache_dir(name)
     if (dest / "config.json").exists():
         return dest
     src = make_tiny_model(TARGET)
