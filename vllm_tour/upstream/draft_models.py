@@ -11,9 +11,9 @@ does with drafts, not how good they are). Upstream's classes (vllm 0.32.0, model
 - `tiny-qwen3-eagle`: llama_eagle.EagleLlamaForCausalLM. One Llama decoder layer without its input norm;
   `fc` maps [embedding of the token, target's hidden state] (2h) to h. Embedding and LM head: the target's.
 - `tiny-qwen3-eagle3`: llama_eagle3.Eagle3LlamaForCausalLM. One layer (`midlayer`) whose attention reads 2h
-  ([normed embedding, normed hidden]); `fc` maps three of the target's hidden states (3h: after layers 0, 1,
-  2, named in eagle_config, since the default picks (2, 1, -1) and a 2-layer target gives only two) to h; its
-  own norm and LM head.
+  ([normed embedding, normed hidden]); `fc` maps three of the target's hidden states (3h: its embedding's output
+  and each layer's, ids 0, 1, 2 in eagle_config: upstream's default ids (2, 1, -1) find only two in a 2-layer
+  target, and fc's reshape to 3h failed) to h; its own norm and LM head.
 - `tiny-qwen3-medusa`: medusa.Medusa. Three heads, each a residual SiLU block (h -> h) and an LM head; head i
   drafts the token i + 1 places ahead from the target's last hidden state.
 
