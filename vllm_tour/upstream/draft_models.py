@@ -47,7 +47,7 @@ MEDUSA_HEADS = 3
 EAGLE3_AUX_LAYERS = [0, 1, 2]  # the target's hidden states after its embedding, layer 0 and layer 1
 MTP_TARGETS = ("tiny-mimo-mtp",)
 # Bump when a head or the MTP target changes: it names their cache directories (with models.GENERATOR_VERSION)
-DRAFT_VERSION = 1
+DRAFT_VERSION = 2
 
 
 def _llama_layer(s: SeededStream, p: str, cfg: dict, attn_in: int) -> dict[str, np.ndarray]:
@@ -88,7 +88,10 @@ def head_config_and_weights(name: str) -> tuple[dict, dict[str, np.ndarray]]:
         w = _llama_layer(s, "layers.0.", cfg, h)
         w["fc.weight"] = seeded_linear(s, h, 2 * h, 1.0)
         return cfg, w
-    cfg.update(draft_vocab_size=v, eagle_config={"eagle_aux_hidden_state_layer_ids": EAGLE3_AUX_LAYERS})
+    # 0.21.0 reads the ids at the config's top level only (gpu_model_runner.py:5041); later releases look
+    # there first, then in eagle_config
+    cfg.update(draft_vocab_size=v, eagle_aux_hidden_state_layer_ids=EAGLE3_AUX_LAYERS,
+               eagle_config={"eagle_aux_hidden_state_layer_ids": EAGLE3_AUX_LAYERS})
     w = _llama_layer(s, "midlayer.", cfg, 2 * h)
     w["midlayer.input_layernorm.weight"] = np.ones(h, np.float32)
     w["midlayer.hidden_norm.weight"] = np.ones(h, np.float32)
