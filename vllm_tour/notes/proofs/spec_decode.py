@@ -70,7 +70,7 @@ def ngram_drafts_from_longest_earliest_match(run: Run) -> str:
         if not s.spec_proposal:
             continue
         for rid, drafts in s.spec_proposal.proposed.items():
-            e, (later, nxt) = _entry(s, rid), _next_entry(steps, i, rid)
+            e, (_, nxt) = _entry(s, rid), _next_entry(steps, i, rid)
             if e is None or nxt is None:
                 continue  # finished in this step: its context is not in the records
             tokens = list(outs[rid].prompt_token_ids) + list(outs[rid].token_ids[:nxt.num_output_tokens])
