@@ -92,7 +92,7 @@ CONFIGS = {
 }
 
 
-class _Stream:
+class SeededStream:
     """Deterministic uniform floats in [-1, 1) from PCG64's raw 64-bit output."""
 
     def __init__(self, seed: int):
@@ -106,7 +106,7 @@ class _Stream:
         return (u * np.float32(2.0) - np.float32(1.0)).reshape(shape)
 
 
-def _linear(stream: _Stream, out_f: int, in_f: int, gain: float) -> np.ndarray:
+def seeded_linear(stream: SeededStream, out_f: int, in_f: int, gain: float) -> np.ndarray:
     # Uniform(-a, a) has std a/sqrt(3); a = gain*sqrt(3/fan_in) gives std gain/sqrt(fan_in).
     a = np.float32(gain * np.sqrt(3.0 / in_f))
     return stream.uniform((out_f, in_f)) * a
@@ -115,7 +115,7 @@ def _linear(stream: _Stream, out_f: int, in_f: int, gain: float) -> np.ndarray:
 def _weights(cfg: dict) -> dict[str, np.ndarray]:
     """HF-layout tensors. Gains are chosen so greedy decoding wanders instead of
     repeating one token (random weights at the usual init scale collapse)."""
-    s = _Stream(SEED)
+    s = SeededStream(SEED)
     h, v, hd = cfg["hidden_size"], cfg["vocab_size"], cfg["head_dim"]
     nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     t: dict[str, np.ndarray] = {}
@@ -124,27 +124,27 @@ def _weights(cfg: dict) -> dict[str, np.ndarray]:
         p = f"model.layers.{i}."
         t[p + "input_layernorm.weight"] = np.ones(h, np.float32)
         t[p + "post_attention_layernorm.weight"] = np.ones(h, np.float32)
-        t[p + "self_attn.q_proj.weight"] = _linear(s, nh * hd, h, 2.0)
-        t[p + "self_attn.k_proj.weight"] = _linear(s, nkv * hd, h, 2.0)
-        t[p + "self_attn.v_proj.weight"] = _linear(s, nkv * hd, h, 1.0)
-        t[p + "self_attn.o_proj.weight"] = _linear(s, h, nh * hd, 1.0)
+        t[p + "self_attn.q_proj.weight"] = seeded_linear(s, nh * hd, h, 2.0)
+        t[p + "self_attn.k_proj.weight"] = seeded_linear(s, nkv * hd, h, 2.0)
+        t[p + "self_attn.v_proj.weight"] = seeded_linear(s, nkv * hd, h, 1.0)
+        t[p + "self_attn.o_proj.weight"] = seeded_linear(s, h, nh * hd, 1.0)
         t[p + "self_attn.q_norm.weight"] = np.ones(hd, np.float32)
         t[p + "self_attn.k_norm.weight"] = np.ones(hd, np.float32)
         if cfg["model_type"] == "qwen3_moe":
             e, mi = cfg["num_experts"], cfg["moe_intermediate_size"]
-            t[p + "mlp.gate.weight"] = _linear(s, e, h, 4.0)
+            t[p + "mlp.gate.weight"] = seeded_linear(s, e, h, 4.0)
             for j in range(e):
                 q = f"{p}mlp.experts.{j}."
-                t[q + "gate_proj.weight"] = _linear(s, mi, h, 1.0)
-                t[q + "up_proj.weight"] = _linear(s, mi, h, 1.0)
-                t[q + "down_proj.weight"] = _linear(s, h, mi, 1.0)
+                t[q + "gate_proj.weight"] = seeded_linear(s, mi, h, 1.0)
+                t[q + "up_proj.weight"] = seeded_linear(s, mi, h, 1.0)
+                t[q + "down_proj.weight"] = seeded_linear(s, h, mi, 1.0)
         else:
             i_sz = cfg["intermediate_size"]
-            t[p + "mlp.gate_proj.weight"] = _linear(s, i_sz, h, 1.0)
-            t[p + "mlp.up_proj.weight"] = _linear(s, i_sz, h, 1.0)
-            t[p + "mlp.down_proj.weight"] = _linear(s, h, i_sz, 1.0)
+            t[p + "mlp.gate_proj.weight"] = seeded_linear(s, i_sz, h, 1.0)
+            t[p + "mlp.up_proj.weight"] = seeded_linear(s, i_sz, h, 1.0)
+            t[p + "mlp.down_proj.weight"] = seeded_linear(s, h, i_sz, 1.0)
     t["model.norm.weight"] = np.ones(h, np.float32)
-    t["lm_head.weight"] = _linear(s, v, h, 8.0)
+    t["lm_head.weight"] = seeded_linear(s, v, h, 8.0)
     return t
 
 
@@ -326,6 +326,12 @@ def resolve_model(name: str, load_format: str = "auto") -> Path:
         raise TourError(f"unknown load format {load_format!r} (known: {', '.join(LOAD_FORMATS)})")
     if name in TINY_MODELS:
         return make_tiny_model(name)
+    from vllm_tour.upstream.draft_models import MTP_TARGETS, make_mtp_target
+
+    if name in MTP_TARGETS:
+        if load_format != "dummy":
+            raise TourError(f"model '{name}' has no weights of its own: run it with load_format dummy")
+        return make_mtp_target(name)
     p = Path(name).expanduser()
     if p.exists():
         if not (p / "config.json").exists():
