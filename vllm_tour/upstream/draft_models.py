@@ -17,11 +17,8 @@ does with drafts, not how good they are). Upstream's classes (vllm 0.32.0, model
 - `tiny-qwen3-medusa`: medusa.Medusa. Three heads, each a residual SiLU block (h -> h) and an LM head; head i
   drafts the token i + 1 places ahead from the target's last hidden state.
 
-MTP drafts with layers that ship inside the target's own checkpoint, and no Qwen3 has them. `tiny-mimo-mtp` is a
-target that does: tiny-qwen3's shapes as a MiMo model (mimo.MiMoForCausalLM: Qwen2 layers, plus
-`num_nextn_predict_layers` = 1 MTP layer, mimo_mtp.MiMoMTP). Its directory holds the config and tiny-qwen3's
-tokenizer only: a scenario runs it with `load_format = "dummy"` (vLLM's random weights in its shapes), target and
-MTP layer alike.
+MTP drafts with layers inside the target's own checkpoint: its target, `tiny-mimo-mtp`, is a model of its own
+(models.make_mtp_target).
 """
 
 from __future__ import annotations
@@ -45,8 +42,7 @@ DRAFT_HEADS = {
 }
 MEDUSA_HEADS = 3
 EAGLE3_AUX_LAYERS = [0, 1, 2]  # the target's hidden states after its embedding, layer 0 and layer 1
-MTP_TARGETS = ("tiny-mimo-mtp",)
-# Bump when a head or the MTP target changes: it names their cache directories (with models.GENERATOR_VERSION)
+# Bump when a head changes: it names their cache directories (with models.GENERATOR_VERSION)
 DRAFT_VERSION = 2
 
 
@@ -117,26 +113,6 @@ def make_draft_head(name: str) -> Path:
     cfg, weights = head_config_and_weights(name)
     with built_in_place(dest, name) as tmp:
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-    return dest
-
-
-def make_mtp_target(name: str) -> Path:
-    """tiny-mimo-mtp's directory (config and tokenizer; weights: load_format dummy), built on first use."""
-    import shutil
-
-    if name not in MTP_TARGETS:
-        raise TourError(f"unknown MTP target '{name}' (known: {', '.join(MTP_TARGETS)})")
-    dest = _cache_dir(name)
-    if (dest / "config.json").exists():
-        return dest
-    src = make_tiny_model(TARGET)
-    cfg = json.loads((src / "config.json").read_text())
-    cfg.pop("head_dim")  # Qwen2 layers: hidden_size / heads (64, as tiny-qwen3's)
-    cfg.update(model_type="qwen2", architectures=["MiMoForCausalLM"], num_nextn_predict_layers=1)
-    with built_in_place(dest, name) as tmp:
-        for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-            shutil.copyfile(src / f, tmp / f)
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     return dest
 

@@ -29,6 +29,8 @@ from vllm_tour.errors import TourError
 from vllm_tour.paths import DATA_DIR, cache_dir
 
 TINY_MODELS = ("tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen3-tp")
+MTP_TARGETS = ("tiny-mimo-mtp",)  # a config only: run with load_format dummy (make_mtp_target)
+MTP_VERSION = 1  # bump when make_mtp_target changes: it names the cache directory
 DEFAULT_MODEL = "tiny-qwen3"
 # Bump when the generator changes: it names the cache directory, so an old
 # checkpoint is never mistaken for a new one.
@@ -326,8 +328,6 @@ def resolve_model(name: str, load_format: str = "auto") -> Path:
         raise TourError(f"unknown load format {load_format!r} (known: {', '.join(LOAD_FORMATS)})")
     if name in TINY_MODELS:
         return make_tiny_model(name)
-    from vllm_tour.upstream.draft_models import MTP_TARGETS, make_mtp_target
-
     if name in MTP_TARGETS:
         if load_format != "dummy":
             raise TourError(f"model '{name}' has no weights of its own: run it with load_format dummy")
@@ -392,3 +392,26 @@ def model_facts(name: str, load_format: str, dtype: str) -> ModelFacts:
         digest = None
     return ModelFacts(name=name, path=path, weights=weights, weights_note=weights_note(name, weights),
                       kv_bytes_per_token=kv_bytes_per_token(path, dtype) if has_config else None, digest=digest)
+
+
+def make_mtp_target(name: str) -> Path:
+    """tiny-mimo-mtp's directory, built on first use: a target with an MTP layer, for speculative method mtp.
+
+    MTP drafts with layers that ship inside the target's own checkpoint, and no Qwen3 has them. This is
+    tiny-qwen3's shapes as a MiMo model (mimo.MiMoForCausalLM: Qwen2 layers, plus `num_nextn_predict_layers`
+    = 1 MTP layer, mimo_mtp.MiMoMTP). The directory holds the config and tiny-qwen3's tokenizer only: a
+    scenario runs it with `load_format = "dummy"` (vLLM's random weights in its shapes)."""
+    if name not in MTP_TARGETS:
+        raise TourError(f"unknown MTP target '{name}' (known: {', '.join(MTP_TARGETS)})")
+    dest = cache_dir() / "models" / f"{name}-g{GENERATOR_VERSION}-m{MTP_VERSION}"
+    if (dest / "config.json").exists():
+        return dest
+    src = make_tiny_model("tiny-qwen3")
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.pop("head_dim")  # Qwen2 layers: hidden_size / heads (64, as tiny-qwen3's)
+    cfg.update(model_type="qwen2", architectures=["MiMoForCausalLM"], num_nextn_predict_layers=1)
+    with built_in_place(dest, name) as tmp:
+        for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+            shutil.copyfile(src / f, tmp / f)
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    return dest
