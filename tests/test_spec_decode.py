@@ -116,7 +116,10 @@ def test_site_trace_page_links_spec_events_to_the_notes():
     _, body = trace_page(run, run.meta.pin, lambda note: f"notes/{note}")
     assert _verifications(run)
     for _, v in _verifications(run):
-        assert f"spec {v.req_id}: {v.num_accepted}/{len(v.draft_token_ids)} drafts accepted" in body
+        rejected = v.draft_token_ids[v.num_accepted:]
+        tail = f", {rejected} rejected, rolled back from slots {v.rejected_slots}" if rejected else ", all kept"
+        assert f"spec {v.req_id}: {v.num_accepted}/{len(v.draft_token_ids)} drafts accepted{tail}" in body
+    assert any(v.num_accepted < len(v.draft_token_ids) for _, v in _verifications(run))  # a rejection is shown
     assert 'href="notes/spec-scheduled-drafts"' in body
 
 

@@ -69,7 +69,10 @@ def step_events(step: Step) -> list[Event]:
             out.append(Event(f"evict {step.kv.evicted}", f"驱逐 {step.kv.evicted}", "eviction", None))
     for v in step.spec_verify.requests if step.spec_verify else []:
         n = f"{v.num_accepted}/{len(v.draft_token_ids)}"
-        out.append(Event(f"spec {v.req_id}: {n} drafts accepted", f"投机解码 {v.req_id}：接受 {n} 个草稿 token",
+        rejected = v.draft_token_ids[v.num_accepted:]
+        en = f", {rejected} rejected, rolled back from slots {v.rejected_slots}" if rejected else ", all kept"
+        zh = f"，{rejected} 被拒绝，从槽位 {v.rejected_slots} 回滚" if rejected else "，全部保留"
+        out.append(Event(f"spec {v.req_id}: {n} drafts accepted{en}", f"投机解码 {v.req_id}：接受 {n} 个草稿 token{zh}",
                          "spec-decode", v.req_id))
     return out
 
