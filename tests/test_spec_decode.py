@@ -176,3 +176,16 @@ def test_speculation_the_reimpl_cannot_run_is_refused_before_an_engine(tmp_path,
     res = CliRunner().invoke(app, ["compare", module, "--scenario", str(sc), "--json", str(tmp_path / "r.json")])
     assert isinstance(res.exception, TourError) and res.exception.exit_code == 2, res.output
     assert named in str(res.exception)
+
+
+def test_perfetto_marks_each_verification_on_its_request_track():
+    from vllm_tour.paths import GOLDEN_DIR
+    from vllm_tour.views.perfetto import REQUESTS_PID, to_chrome_trace
+
+    run = load_run(GOLDEN_DIR / "spec_ngram")
+    marks = [e for e in to_chrome_trace(run)["traceEvents"] if e.get("pid") == REQUESTS_PID and e["name"].startswith("drafts ")]
+    verified = _verifications(run)
+    assert len(marks) == len(verified) > 0
+    for m, (_, v) in zip(marks, verified):
+        assert m["args"] == {"drafts": v.draft_token_ids, "accepted": v.num_accepted, "tokens": v.sampled_token_ids,
+                             "rejected_slots": v.rejected_slots}

@@ -3,7 +3,8 @@
 Process 1 "engine": a "steps" track with one span per step, and counters
 (KV usage, running, waiting). Process 2 "requests": one track per request,
 with spans for waiting, prefill chunks, decode and resumed (recompute)
-steps, and an instant marker at each preemption.
+steps, and an instant marker at each preemption and, with speculative decoding, at each verification
+(drafts, how many the target accepted, its tokens, the slots of the rejected ones).
 
 A TP run adds one process per worker rank ("rank 0", "rank 1", pid 100 + rank) with a "collectives"
 track: the step's all-reduces and logits gather in call order (each a slice of the step; their own
@@ -88,6 +89,11 @@ def to_chrome_trace(run: Run) -> dict:
             events.append({"ph": "i", "s": "t", "pid": REQUESTS_PID, "tid": tid.get(rid, 9), "name": "finished", "ts": ts + dur, "args": {"finish_reason": reasons.get(rid)}})
         for p in sch.preempted:
             events.append({"ph": "i", "s": "t", "pid": REQUESTS_PID, "tid": tid.get(p.req_id, 9), "name": "preempted", "ts": ts, "args": {"reason": p.reason, "freed_blocks": p.freed_block_ids}})
+        for v in s.spec_verify.requests if s.spec_verify else []:  # at the step's end: the target's pass decided them
+            events.append({"ph": "i", "s": "t", "pid": REQUESTS_PID, "tid": tid.get(v.req_id, 9), "ts": ts + dur,
+                           "name": f"drafts {v.num_accepted}/{len(v.draft_token_ids)} accepted",
+                           "args": {"drafts": v.draft_token_ids, "accepted": v.num_accepted, "tokens": v.sampled_token_ids,
+                                    "rejected_slots": v.rejected_slots}})
         # Requests in the queue this step: arrived, not finished, not scheduled.
         waiting_ids = [rid for rid, (a, z) in lives.items() if a <= s.index <= z and rid not in scheduled]
         for rid in waiting_ids:
