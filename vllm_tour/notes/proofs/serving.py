@@ -115,17 +115,22 @@ def front_end_tokens_are_engine_tokens(run: Run) -> str:
                          "(a serve run at --level full)")
 
 
-def stop_string_is_an_engine_abort(run: Run) -> str:
-    """A stop string found by the front end's detokenizer: the client sees `stop` (the string as stop_reason),
-    the EngineCore records an abort of the same request."""
+def _stop_string_aborts(run: Run):
+    """(request, step, abort record) for each request a stop string ended: the engine must have aborted it."""
     aborts = _aborts(run)
-    found = []
     for r in run.server_requests:
         if r.finish_reason != "stop" or not isinstance(r.stop_reason, str):
             continue
         _need(r.req_id in aborts, None, f"{r.api_id}: the client saw stop on {r.stop_reason!r}, "
               f"but the engine recorded no abort of {r.req_id}")
-        step, a = aborts[r.req_id]
+        yield (r, *aborts[r.req_id])
+
+
+def stop_string_is_an_engine_abort(run: Run) -> str:
+    """A stop string found by the front end's detokenizer: the client sees `stop` (the string as stop_reason),
+    the EngineCore records an abort of the same request."""
+    found = []
+    for r, step, a in _stop_string_aborts(run):
         found.append(f"{r.api_id}: the client saw stop on {r.stop_reason!r} after {_tokens(len(r.token_ids))}; "
                      f"the engine aborted {r.req_id} at step {step} (with {_tokens(a.num_output_tokens)} of output)")
     return _shown(found, "a request ended by a stop string")
@@ -135,14 +140,9 @@ def stop_string_ends_a_running_request(run: Run) -> str:
     """A stop string ends the request in the front end while the EngineCore still runs it: the engine's abort
     record shows it RUNNING (a request the core had finished itself would not be aborted), and the tokens the
     client got are the first of those the engine sampled for it (the stop ends the text, not the engine's run)."""
-    aborts, engine = _aborts(run), _engine_tokens(run)
+    engine = _engine_tokens(run)
     found = []
-    for r in run.server_requests:
-        if r.finish_reason != "stop" or not isinstance(r.stop_reason, str):
-            continue
-        _need(r.req_id in aborts, None, f"{r.api_id}: the client saw stop on {r.stop_reason!r}, "
-              f"but the engine recorded no abort of {r.req_id}")
-        step, a = aborts[r.req_id]
+    for r, step, a in _stop_string_aborts(run):
         _need(a.status_before == "RUNNING", step,
               f"{r.api_id}: stopped on {r.stop_reason!r} in the front end, aborted at step {step} while {a.status_before}")
         if r.req_id not in engine:
