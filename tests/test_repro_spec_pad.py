@@ -1,0 +1,53 @@
+"""spec_pad_max_model_len_stall (issue 35 item 4): a speculative-decoding repro with a verdict per release.
+
+Upstream PR #53962 (in v0.29.0) stopped the waiting loop from `break`ing when a one-token request padded to
+1 + num_speculative_tokens would not fit `max_model_len`; v0.28.0 starves the request while others run. The file
+declares REPRODUCED on v0.28.0 (24 steps without a token, `repro --bisect` here) and NOT REPRODUCED from v0.29.0
+on. These tests run it on the installed release (v0.32.0) and on v0.31.0 (the `release_env` environment) as a user
+does, `repro FILE [--pin TAG]`, and read the trace for the fixed path: the request scheduled, un-padded, the step
+it arrives. On v0.28.0 that check fails (the request is not scheduled until `long` finishes).
+"""
+
+import pytest
+
+from vllm_tour.repro.library import REPROS_DIR
+from vllm_tour.scenario import load_scenario
+from vllm_tour.trace.reader import load_run
+
+REPRO = REPROS_DIR / "spec_pad_max_model_len_stall.toml"
+
+
+def test_the_file_declares_the_fix_in_v0_29_0():
+    sc = load_scenario(REPRO)
+    assert sc.pr == 53962 and sc.engine.extra["speculative_config"]["method"] == "ngram"
+    assert [sc.declared_verdict(p) for p in ("v0.28.0", "v0.29.0", "v0.30.0", "v0.31.0", "v0.32.0")] == [
+        "REPRODUCED", *["NOT REPRODUCED"] * 4]
+    # the case v0.28.0 breaks on: 32 cached tokens + 1 + k placeholder drafts do not fit max_model_len
+    k = sc.engine.extra["speculative_config"]["num_speculative_tokens"]
+    again = next(r for r in sc.requests if r.req_id == "again")
+    assert len(again.prompt_token_ids) == 33 and 32 + 1 + k > sc.engine.max_model_len
+
+
+@pytest.mark.parametrize("pin", [None, "v0.31.0"], ids=["installed", "v0.31.0"])
+def test_verdict_and_the_unpadded_schedule_on_the_release(cli, request, tmp_path, pin):
+    if pin:
+        request.getfixturevalue("release_env")
+    out = tmp_path / "run"
+    r = cli("repro", REPRO, *(["--pin", pin] if pin else []), "--out", out, timeout=900)
+    here = pin or "v0.32.0"
+    assert r.returncode == 1, r.stdout + r.stderr  # NOT REPRODUCED
+    assert f"NOT REPRODUCED on {here}" in r.stdout and "(as declared)" in r.stdout, r.stdout
+    assert "again was scheduled in every step it was in the engine with other work" in r.stdout
+    run = load_run(out)
+    assert run.meta.vllm_version == here.lstrip("v")
+    rows = [(s.index, x) for s in run.steps if s.scheduler for x in s.scheduler.scheduled if x.req_id == "again"]
+    step, first = rows[0]
+    # scheduled with its one real token over the 32 cached ones: no placeholder drafts (32 + 4 > 35)
+    assert (first.kind, first.num_scheduled_tokens, first.num_computed_tokens) == ("new", 1, 32)
+    assert not any(v.req_id == "again" for s in run.steps if s.spec_verify for v in s.spec_verify.requests)
+    # ... while `long` still decodes: the step v0.28.0 would have skipped it
+    by_index = {s.index: s for s in run.steps}
+    assert any(x.req_id == "long" for x in by_index[step].scheduler.scheduled)
+    assert "long" not in {f for s in run.steps if s.index <= step and s.scheduler for f in s.scheduler.finished}
+    # the run shows speculative decoding at work: long's drafts verified
+    assert any(v.req_id == "long" for s in run.steps if s.spec_verify for v in s.spec_verify.requests)
