@@ -38,6 +38,8 @@ def test_verdict_and_the_unpadded_schedule_on_the_release(cli, request, tmp_path
     assert r.returncode == 1, r.stdout + r.stderr  # NOT REPRODUCED
     assert f"NOT REPRODUCED on {here}" in r.stdout and "(as declared)" in r.stdout, r.stdout
     assert "again was scheduled in every step it was in the engine with other work" in r.stdout
+    # the releases it speaks about that this command did not run: CPU releases, each in its own environment
+    assert "v0.28.0: not run here (another CPU release: `repro FILE --pin v0.28.0` in its environment" in r.stdout
     run = load_run(out)
     assert run.meta.vllm_version == here.lstrip("v")
     rows = [(s.index, x) for s in run.steps if s.scheduler for x in s.scheduler.scheduled if x.req_id == "again"]
@@ -51,3 +53,10 @@ def test_verdict_and_the_unpadded_schedule_on_the_release(cli, request, tmp_path
     assert "long" not in {f for s in run.steps if s.index <= step and s.scheduler for f in s.scheduler.finished}
     # the run shows speculative decoding at work: long's drafts verified
     assert any(v.req_id == "long" for s in run.steps if s.spec_verify for v in s.spec_verify.requests)
+
+
+def test_a_cuda_pin_is_the_gpu_machines_and_a_cpu_pin_has_its_environment():
+    from vllm_tour.repro.reproduce import GPU_PIN_NOTE, where_it_runs
+
+    assert where_it_runs("v0.21.0") == GPU_PIN_NOTE
+    assert where_it_runs("v0.30.0").startswith("another CPU release: `repro FILE --pin v0.30.0`")

@@ -59,6 +59,15 @@ class ReproResult:
 GPU_PIN_NOTE = "the GPU machine's pin, run there"
 
 
+def where_it_runs(pin: str) -> str:
+    """Where a pin this command did not run is run: the GPU machine's (a CUDA pin), or its own environment here."""
+    from vllm_tour.upstream.pins import available_pins, load_pin
+
+    if pin in available_pins() and load_pin(pin).platform == "cpu":
+        return f"another CPU release: `repro FILE --pin {pin}` in its environment, `repro --matrix` on every release"
+    return GPU_PIN_NOTE
+
+
 def not_run_here(sc: Scenario, pin: str) -> list[str]:
     """The pins this repro has expectations for that do not run on this machine (installed: `pin`)."""
     return [p for p in sc.pins() if p != pin]
@@ -385,7 +394,7 @@ def render(res: ReproResult, console: Console, path: Path | str) -> None:
         for line in c.evidence:
             console.print(f"             {escape(line)}", soft_wrap=True)
     for other in not_run_here(sc, res.pin):
-        console.print(f"  [dim]{other}: not run here ({GPU_PIN_NOTE}); declared {sc.declared_verdict(other)}[/]")
+        console.print(f"  [dim]{other}: not run here ({escape(where_it_runs(other))}); declared {sc.declared_verdict(other)}[/]")
     met = sum(c.ok for c in res.checks)
     declared = sc.declared_verdict(res.pin)
     note = "as declared" if res.as_declared else f"[bold red]declared {declared}[/]"
