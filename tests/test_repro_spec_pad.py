@@ -39,7 +39,7 @@ def test_verdict_and_the_unpadded_schedule_on_the_release(cli, request, tmp_path
     assert f"NOT REPRODUCED on {here}" in r.stdout and "(as declared)" in r.stdout, r.stdout
     assert "again was scheduled in every step it was in the engine with other work" in r.stdout
     # the releases it speaks about that this command did not run: CPU releases, each in its own environment
-    assert "v0.28.0: not run here (another CPU release: `repro FILE --pin v0.28.0` in its environment" in r.stdout
+    assert "v0.28.0: not run here (another CPU release: `repro FILE --pin v0.28.0` runs it" in r.stdout
     run = load_run(out)
     assert run.meta.vllm_version == here.lstrip("v")
     rows = [(s.index, x) for s in run.steps if s.scheduler for x in s.scheduler.scheduled if x.req_id == "again"]

@@ -64,7 +64,7 @@ def where_it_runs(pin: str) -> str:
     from vllm_tour.upstream.pins import available_pins, load_pin
 
     if pin in available_pins() and load_pin(pin).platform == "cpu":
-        return f"another CPU release: `repro FILE --pin {pin}` in its environment, `repro --matrix` on every release"
+        return f"another CPU release: `repro FILE --pin {pin}` runs it, `repro --matrix` runs every release here"
     return GPU_PIN_NOTE
 
 
