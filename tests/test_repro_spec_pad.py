@@ -60,3 +60,46 @@ def test_a_cuda_pin_is_the_gpu_machines_and_a_cpu_pin_has_its_environment():
 
     assert where_it_runs("v0.21.0") == GPU_PIN_NOTE
     assert where_it_runs("v0.30.0").startswith("another CPU release: `repro FILE --pin v0.30.0`")
+
+
+# --- spec_dummy_drafts_near_max_model_len (upstream issue #58080, open): the drafter gate near max_model_len ---------
+
+DUMMY = REPROS_DIR / "spec_dummy_drafts_near_max_model_len.toml"
+
+
+@pytest.mark.parametrize("pin", [None, "v0.31.0"], ids=["installed", "v0.31.0"])
+def test_dummy_drafts_repro_on_the_release(cli, request, tmp_path, pin):
+    """REPRODUCED on v0.32.0 and v0.31.0: `long`, far from the limit, has [0, 0, 0] verified as its drafts because
+    `near` is within k tokens of max_model_len; token 0 is in neither its prompt nor its output."""
+    if pin:
+        request.getfixturevalue("release_env")
+    out = tmp_path / "run"
+    r = cli("repro", DUMMY, *(["--pin", pin] if pin else []), "--out", out, timeout=900)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"REPRODUCED on {pin or 'v0.32.0'}" in r.stdout and "(as declared)" in r.stdout
+    assert "long verified drafts [0, 0, 0] at position 7; [0] never in its 6 prompt" in r.stdout
+    run = load_run(out)
+    first = next(s for s in run.steps if s.spec_proposal)
+    assert first.spec_proposal.proposed == {"long": [0, 0, 0], "near": [0, 0, 0]}  # the whole batch, one gate
+
+
+def test_drafts_not_in_sequence_fails_on_ngram_drafts_and_says_why(upstream_run):
+    """On spec_ngram (max_model_len 1024: the gate never closes) every verified draft is a token of the request's
+    own sequence: the check does not hold, and its evidence says so."""
+    from vllm_tour.repro.reproduce import check_expectations
+    from vllm_tour.scenario import ExpectSpec, load_scenario as load
+    from vllm_tour.paths import SCENARIOS_DIR
+
+    run = load_run(upstream_run("spec_ngram").run_dir)
+    sc = load(SCENARIOS_DIR / "spec_ngram.toml")
+    [c] = check_expectations(sc, run, None, [], ExpectSpec(drafts_not_in_sequence=["rep"]))
+    assert not c.ok and c.evidence[0].startswith("rep: ") and "each made of tokens of its own sequence" in c.evidence[0]
+
+
+def test_drafts_not_in_sequence_needs_the_engine():
+    from vllm_tour.errors import TourError
+    from vllm_tour.scenario import scenario_from_dict
+
+    with pytest.raises(TourError, match="drafts_not_in_sequence reads the drafts a model runner made"):
+        scenario_from_dict({"name": "x", "mode": "scheduler", "requests": [{"id": "a", "token_ids": [1, 2]}],
+                            "expect": {"drafts_not_in_sequence": ["a"]}})

@@ -312,12 +312,32 @@ def check_expectations(sc: Scenario, run: Run, failure: str | None, log_errors: 
             pos = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
             ev = f"{rid} differs at output position {pos}: {a[pos:pos + 1]} in the batch vs {b[pos:pos + 1]} alone"
         checks.append(Check(key, (a == b) == want_same, [ev]))
+    for rid in ex.drafts_not_in_sequence:
+        checks.append(_drafts_not_in_sequence_check(rid, run, failure))
     checks.extend(scheduling_checks(ex, run, failure))
     if ex.expert_maps:
         checks.extend(_expert_map_checks(ex.expert_maps, run, failure))
     if ex.moe_kernel_ids_out_of_range is not None:
         checks.append(_kernel_ids_check(ex.moe_kernel_ids_out_of_range, run, failure))
     return checks
+
+
+def _drafts_not_in_sequence_check(rid: str, run: Run, failure: str | None) -> Check:
+    """Drafts verified for `rid` holding a token that its prompt and its whole output never hold: an n-gram
+    proposer copies tokens of the sequence, so such a draft came from somewhere else (a runner's dummy drafts)."""
+    key = _fmt("drafts_not_in_sequence", [rid])
+    meta = next(r for r in run.meta.requests if r.req_id == rid)
+    out = next((o.token_ids for o in run.outputs.requests if o.req_id == rid), []) if run.outputs else []
+    seq = set(meta.prompt_token_ids or []) | set(out)
+    verified = [(s.index, v) for s in run.steps if s.spec_verify for v in s.spec_verify.requests if v.req_id == rid]
+    hits = [f"step {i}: {rid} verified drafts {v.draft_token_ids} at position {v.num_computed_tokens + 1}; "
+            f"{sorted(set(v.draft_token_ids) - seq)} never in its {len(meta.prompt_token_ids or [])} prompt and "
+            f"{len(out)} output tokens" for i, v in verified if set(v.draft_token_ids) - seq]
+    if hits:
+        return Check(key, True, hits[:3] + ([f"... and {len(hits) - 3} more steps"] if len(hits) > 3 else []))
+    ev = [f"{rid}: {len(verified)} steps verified drafts, each made of tokens of its own sequence" if verified
+          else f"{rid}: no drafts verified in {len(run.steps)} traced steps"]
+    return Check(key, False, ev + _failed_note(failure))
 
 
 def _moe_records(run: Run) -> list:
