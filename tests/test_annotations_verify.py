@@ -306,6 +306,7 @@ SERVE_MISSING = {
     "front_end_tokens_are_engine_tokens": "the run never shows a request that ended on its own",
     "stop_string_is_an_engine_abort": "the run never shows a request ended by a stop string",
     "aborted_output_dropped": "the run never shows a client-aborted request the engine sampled past",
+    "stop_string_ends_a_running_request": "the run never shows a request ended by a stop string with the runner's",
 }
 
 
@@ -341,6 +342,9 @@ SERVE_MUTATIONS = {  # each contradicts, in a copy of the kept serve run, what o
     "stop_string_is_an_engine_abort": lambda run: _drop_abort_of(
         run, next(r for r in run.server_requests if isinstance(r.stop_reason, str)).req_id),
     "aborted_output_dropped": lambda run: _first(run, finish_reason="abort").token_ids.insert(0, -1),
+    "stop_string_ends_a_running_request": lambda run: [  # the core had finished it: no abort while RUNNING
+        setattr(a, "status_before", "FINISHED_STOPPED") for s in run.steps for a in s.aborts
+        if a.req_id == next(r for r in run.server_requests if isinstance(r.stop_reason, str)).req_id],
 }
 
 
@@ -350,6 +354,19 @@ def test_a_serve_check_fails_when_the_served_run_contradicts_it(check):
     SERVE_MUTATIONS[check](run)
     with pytest.raises(proofs.ClaimFailed):
         verify.CHECKS[check](run)
+
+
+def test_output_after_a_stop_string_must_be_dropped_too():
+    """serve-drop-after-abort's second case: a stop-string request whose kept tokens are not a prefix of the engine's
+    fails the check, and a run without a stop-string request cannot prove it."""
+    run = _served_run()
+    next(r for r in run.server_requests if isinstance(r.stop_reason, str)).token_ids.insert(0, -1)
+    with pytest.raises(proofs.ClaimFailed, match="not a prefix"):
+        verify.CHECKS["aborted_output_dropped"](run)
+    run = _served_run()
+    run.server_requests = [r for r in run.server_requests if not isinstance(r.stop_reason, str)]
+    with pytest.raises(proofs.ClaimFailed, match="never shows a stop-string request"):
+        verify.CHECKS["aborted_output_dropped"](run)
 
 
 def test_verify_run_checks_the_serve_claims_on_a_serve_run(cli):

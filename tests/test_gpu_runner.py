@@ -209,3 +209,30 @@ def test_carried_models_become_every_steps_model_cache(tmp_path, monkeypatch):
     assert dummy_model_dir("Qwen3-0.6B") == carried
     monkeypatch.setattr(runner, "CARRIED_CACHE", tmp_path / "absent")
     assert "VLLM_TOUR_CACHE" not in runner.step_env({}, None)
+
+
+def test_spec_group_names_every_spec_scenario_once(monkeypatch):
+    """`--trace-scenarios spec` runs each speculative method's scenario, ngram_gpu (refused on CPU) first."""
+    from vllm_tour.scenario import load_scenario
+
+    seen = []
+    monkeypatch.setattr(runner, "cmd_all", lambda a: seen.append(a) or 0)
+    assert runner.main(["all", "--out", "/tmp/x", "--steps", "trace", "--trace-scenarios", "spec,spec_ngram",
+                        "--compare-scenarios", ""]) == 0
+    cmd = runner.step_commands(seen[0])["trace"]
+    assert cmd[cmd.index("--scenarios") + 1] == ",".join(runner.SPEC_SCENARIOS)
+    methods = [load_scenario(REPO / "traces" / "scenarios" / f"{n}.toml").engine.extra["speculative_config"]["method"]
+               for n in runner.SPEC_SCENARIOS]
+    assert methods[0] == "ngram_gpu" and len(set(methods)) == len(methods)
+
+
+def test_spec_summary_counts_a_runs_drafts():
+    from vllm_tour.paths import GOLDEN_DIR
+    from vllm_tour.trace.reader import load_run
+
+    run = load_run(GOLDEN_DIR / "spec_ngram")
+    verified = [v for s in run.steps if s.spec_verify for v in s.spec_verify.requests]
+    assert runner.spec_summary(GOLDEN_DIR / "spec_ngram") == {"spec": {
+        "proposers": ["ngram"], "drafted": sum(len(v.draft_token_ids) for v in verified),
+        "accepted": sum(v.num_accepted for v in verified)}}
+    assert runner.spec_summary(GOLDEN_DIR / "single") == {}

@@ -2,11 +2,10 @@
 
     python -m vllm_tour.bench.long_run [--steps 100000] [--segment-steps 10000] [--out DIR] [--json PATH]
 
-The records come from the real record path: upstream's Scheduler at the installed pin, driven as the
-scheduler-only harness drives it (vllm_tour/engine/sched_harness.py: tiny-qwen3's engine config and KV
-pool, a fabricated model output per step), with the scheduler and KV probes installed and the
-Recorder writing segments (VLLM_TOUR_SEGMENT_STEPS). Requests come and go: each step one arrives with
-probability 1/2 (48-token prompt, 16-48 output tokens, a fresh id with upstream's "-<8 hex>" suffix),
+The records come from the real record path: upstream's Scheduler at the installed pin, driven by
+vllm_tour/bench/sched_load.py (tiny-qwen3's engine config and KV pool), with the scheduler and KV
+probes installed and the Recorder writing segments (VLLM_TOUR_SEGMENT_STEPS). Requests come and go:
+each step one arrives with probability 1/2 (48-token prompt, 16-48 output tokens),
 so ~16 run at once (1/2 arrival x 32 tokens on average) and their block tables grow, finish and get reused.
 
 Printed: the writer's RSS every 10% of the run (after a full garbage collection) and its growth from
@@ -20,11 +19,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import io
 import json
 import os
-import random
 import statistics
 import subprocess
 import sys
@@ -32,10 +29,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from vllm_tour.bench import sched_load
 from vllm_tour.bench.overhead import hardware
-from vllm_tour.bench.writer_memory import rss_bytes
+from vllm_tour.bench.sched_load import PROMPT_TOKENS
 
-PROMPT_TOKENS = 48
 OUTPUT_TOKENS = (16, 48)
 ARRIVAL_P = 0.5
 WINDOW = 101  # steps shown
@@ -45,29 +42,9 @@ SAMPLES = 10  # RSS readings over the run
 
 def drive(sched, steps: int, samples: int = SAMPLES, seed: int = 0) -> dict[int, int]:
     """Run `steps` scheduler steps; RSS (bytes) `samples` times, evenly spaced."""
-    from vllm import SamplingParams
-    from vllm.v1.request import Request
-
-    from vllm_tour.engine.sched_harness import _model_output
-
-    rng = random.Random(seed)
-    live: dict = {}  # the running requests only: finished ones are dropped, as an engine drops them
-    rss = {}
-    for step in range(1, steps + 1):
-        if rng.random() < ARRIVAL_P:
-            rid = f"q{step}-{rng.getrandbits(32):08x}"  # as upstream's input processor makes ids unique
-            params = SamplingParams(max_tokens=rng.randint(*OUTPUT_TOKENS), temperature=0.0, ignore_eos=True)
-            live[rid] = Request(request_id=rid, prompt_token_ids=[rng.randrange(5, 500) for _ in range(PROMPT_TOKENS)],
-                                sampling_params=params, pooling_params=None, block_hasher=sched.tour_block_hasher)
-            sched.add_request(live[rid])
-        out = sched.schedule()
-        chunks = {r for r in out.num_scheduled_tokens if sched.requests[r].num_computed_tokens < sched.requests[r].num_tokens}
-        sched.update_from_output(out, _model_output(out, chunks, live))
-        for r in [r for r, q in live.items() if q.is_finished()]:
-            del live[r]
-        if step % (steps // samples) == 0:
-            gc.collect()
-            rss[step] = rss_bytes()
+    every = steps // samples
+    rss, _ = sched_load.drive(sched, steps, arrival_p=ARRIVAL_P, output_tokens=OUTPUT_TOKENS,
+                              rss_at=set(range(every, steps + 1, every)), id_prefix="q", seed=seed)
     return rss
 
 

@@ -2,11 +2,9 @@
 
     python -m vllm_tour.bench.writer_memory [--steps 10000] [--warmup 1000] [--json PATH]
 
-Upstream's real Scheduler at the installed pin, driven as the scheduler-only
-harness drives it (vllm_tour/engine/sched_harness.py: tiny-qwen3's engine config, a
-fabricated model output per step), with a steady stream of requests: one
-arrives every step (48-token prompt, 32 output tokens, a fresh id each with the
-"-<8 hex>" suffix upstream's input processor adds), so about 32 run at once and
+Upstream's real Scheduler at the installed pin, driven by vllm_tour/bench/sched_load.py
+(tiny-qwen3's engine config), with a steady stream of requests: one arrives every step
+(48-token prompt, 32 output tokens, a fresh id each), so about 32 run at once and
 every id is new to the probes. Two runs in this
 process: untraced, then traced (scheduler and KV probes, the records written to
 a temporary run directory). RSS is read after `--warmup` steps and at the end,
@@ -18,51 +16,24 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import json
 import os
-import random
 import sys
 import tempfile
 from pathlib import Path
 
+from vllm_tour.bench import sched_load
 from vllm_tour.bench.overhead import hardware
+from vllm_tour.bench.sched_load import PROMPT_TOKENS
 
-PROMPT_TOKENS = 48
 OUTPUT_TOKENS = 32
-
-
-def rss_bytes() -> int:
-    """Resident set size of this process now (not the peak)."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def drive(sched, steps: int, warmup: int, seed: int = 0) -> dict:
     """Run `steps` scheduler steps; RSS (bytes) after `warmup` steps and at the end."""
-    from vllm import SamplingParams
-    from vllm.v1.request import Request
-
-    from vllm_tour.engine.sched_harness import _model_output
-
-    rng = random.Random(seed)
-    live: dict = {}  # the running requests only: finished ones are dropped, as an engine drops them
-    rss = {}
-    for step in range(1, steps + 1):
-        rid = f"m{step}-{rng.getrandbits(32):08x}"  # as upstream's input processor makes ids unique
-        params = SamplingParams(max_tokens=OUTPUT_TOKENS, temperature=0.0, ignore_eos=True)
-        live[rid] = Request(request_id=rid, prompt_token_ids=[rng.randrange(5, 500) for _ in range(PROMPT_TOKENS)],
-                            sampling_params=params, pooling_params=None, block_hasher=sched.tour_block_hasher)
-        sched.add_request(live[rid])
-        out = sched.schedule()
-        chunks = {r for r in out.num_scheduled_tokens if sched.requests[r].num_computed_tokens < sched.requests[r].num_tokens}
-        sched.update_from_output(out, _model_output(out, chunks, live))
-        for r in [r for r, q in live.items() if q.is_finished()]:
-            del live[r]
-        if step in (warmup, steps):
-            gc.collect()
-            rss[step] = rss_bytes()
-    return {"rss_after_warmup": rss[warmup], "rss_end": rss[steps], "growth": rss[steps] - rss[warmup], "running_at_end": len(live)}
+    rss, running = sched_load.drive(sched, steps, arrival_p=1.0, output_tokens=(OUTPUT_TOKENS, OUTPUT_TOKENS),
+                                    rss_at={warmup, steps}, id_prefix="m", seed=seed)
+    return {"rss_after_warmup": rss[warmup], "rss_end": rss[steps], "growth": rss[steps] - rss[warmup], "running_at_end": running}
 
 
 def main() -> None:

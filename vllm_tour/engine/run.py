@@ -184,6 +184,10 @@ def engine_kwargs(scenario: Scenario, model_path: Path, pin: str, kv_bytes_per_t
             kw["attention_config"] = {"backend": backend}
     kw.update(profile.engine_args)
     kw.update(extra_engine_args(e.extra, typed=kw.keys() - profile.engine_args.keys()))
+    if isinstance(kw.get("speculative_config"), dict):  # a draft vllm-tour generates: its directory, built now
+        from vllm_tour.upstream.draft_models import resolve_draft
+
+        kw["speculative_config"] = resolve_draft(kw["speculative_config"])
     return kw
 
 
@@ -466,9 +470,21 @@ def _drive_in_child(scenario: Scenario, kwargs: dict, logprobs: int) -> list[Req
 
 
 def _drive_as_json(scenario: dict, kwargs: dict, logprobs: int) -> list[dict]:
+    """_drive in the child; an error that cannot cross back to the parent (pydantic's ValidationError, as
+    upstream's SpeculativeConfig raises it, holds an unpicklable ArgsKwargs) crosses as a RuntimeError with its type
+    and message, instead of the pool's "Error sending result"."""
+    import pickle
+
     from vllm_tour.scenario import scenario_from_dict
 
-    return [o.model_dump(mode="json") for o in _drive(scenario_from_dict(scenario), kwargs, None, logprobs)]
+    try:
+        return [o.model_dump(mode="json") for o in _drive(scenario_from_dict(scenario), kwargs, None, logprobs)]
+    except Exception as e:
+        try:
+            pickle.loads(pickle.dumps(e))
+        except Exception:
+            raise RuntimeError(f"{type(e).__name__}: {e}") from None
+        raise
 
 
 def _top_logprobs(positions, k: int) -> dict:

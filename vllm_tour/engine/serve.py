@@ -271,19 +271,22 @@ class Server:
                 shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
 
     def finish(self, status: str, error: str | None = None):
-        """Write outputs.json from the front end's records and mark meta.json finished; return the loaded run."""
-        from vllm_tour.trace.reader import load_run
+        """Write outputs.json from the front end's records and mark meta.json finished; return the run, read once
+        (a long serve run's records are read here only: the run returned carries the finished meta and outputs)."""
+        from vllm_tour.trace.reader import UNFINISHED, load_run
 
         run = load_run(self.sp.run_dir)
         served = run.server_requests
-        outputs = [RequestOutput(req_id=r.req_id, prompt_token_ids=r.prompt_token_ids, token_ids=r.token_ids, text=r.text,
-                                 finish_reason=r.finish_reason) for r in served]
-        write_json_atomic(self.sp.run_dir / "outputs.json", Outputs(requests=outputs).model_dump(mode="json"))
+        outputs = Outputs(requests=[RequestOutput(req_id=r.req_id, prompt_token_ids=r.prompt_token_ids, token_ids=r.token_ids,
+                                                  text=r.text, finish_reason=r.finish_reason) for r in served])
+        write_json_atomic(self.sp.run_dir / "outputs.json", outputs.model_dump(mode="json"))
         self.meta.requests = [RequestSpec(req_id=r.req_id, prompt_token_ids=r.prompt_token_ids,
                                           max_tokens=r.max_tokens or len(r.token_ids)) for r in served]
         self.meta.status, self.meta.error, self.meta.finished = status, error, time.time()
         write_json_atomic(self.sp.run_dir / "meta.json", self.meta.model_dump(mode="json"))
-        return load_run(self.sp.run_dir)
+        run.meta, run.outputs = self.meta, outputs
+        run.warnings = [w for w in run.warnings if w != UNFINISHED]
+        return run
 
 
 class _Stop(Exception):

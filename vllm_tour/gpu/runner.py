@@ -11,6 +11,7 @@ deadline, so a hang costs that step only; results go under OUT):
   doctor   `vllm-tour doctor --pin v0.21.0` against the carried install   doctor.txt
   trace    the scenarios on upstream with probes (+ captures for the
            compare scenarios), TRITON_ATTN, the scenario's dtype          traces/<scenario>/
+           (`--trace-scenarios spec`: the speculative methods, SPEC_SCENARIOS)
   compare  `compare(reimpl.MODULE, scenario, upstream_run=trace)` for each
            module x compare scenario: decisions, tokens, tensors            compare-<module>.json
   tokens   fp32: upstream CUDA tokens == reimpl tokens (exact);
@@ -74,6 +75,11 @@ from vllm_tour.trace.levels import LEVELS
 
 REPO = Path(__file__).resolve().parents[2]
 TRACE_SCENARIOS = ("single", "concurrent8", "chunked_prefill", "preemption", "shared_prefix")
+# `--trace-scenarios spec`: the speculative methods on the CUDA engine. ngram_gpu first (the CPU build refuses it:
+# no pinned memory), ngram for reference, then those that also ran on CPU (README: "which ran where")
+SPEC_SCENARIOS = ("spec_ngram_gpu", "spec_ngram", "spec_draft_model", "spec_eagle", "spec_eagle3", "spec_medusa",
+                  "spec_mtp")
+SCENARIO_GROUPS = {"spec": SPEC_SCENARIOS}
 COMPARE_SCENARIOS = ("cmp_single", "cmp_chunked", "cmp_preempt", "cmp_shared_prefix",
                      "cmp_single_bf16", "cmp_chunked_bf16", "cmp_preempt_bf16")
 # the default modules are single-device; reimpl.tp (world size 2) is asked for with --modules on the 2-GPU
@@ -220,6 +226,11 @@ def step_env(base: dict, triton_f32: str | None) -> dict:
 VARIANTS = {"bf16": {"dtype": "bfloat16"}, "tp1": {"tensor_parallel_size": 1}, "flash": {"attention_backend": "FLASH_ATTN"}}
 
 
+def expand_groups(names: list[str]) -> list[str]:
+    """A group's name (SCENARIO_GROUPS: `spec`) stands for its scenarios, in order; a name given twice runs once."""
+    return list(dict.fromkeys(n for name in names for n in SCENARIO_GROUPS.get(name, (name,))))
+
+
 def split_variants(name: str) -> tuple[str, dict]:
     """'tp_chunked+bf16' -> ('tp_chunked', {'dtype': 'bfloat16'}): the scenario file and its engine overrides."""
     base, *tags = name.split("+")
@@ -264,7 +275,8 @@ def cmd_trace(a) -> int:
             sc = trace_scenario(name, a.attention_backend)
             try:
                 run_upstream(sc, run_dir=run_dir, capture=capture, level="full" if capture else a.level)
-                results[name] = {"status": "ok", "probes": True, "capture": capture, **probe_errors(run_dir)}
+                results[name] = {"status": "ok", "probes": True, "capture": capture, **spec_summary(run_dir),
+                                 **probe_errors(run_dir)}
             except TourError as e:
                 if "probe" not in str(e):
                     raise
@@ -277,6 +289,20 @@ def cmd_trace(a) -> int:
         print(f"[trace] {name}: {json.dumps(results[name])[:400]}", flush=True)
         (Path(a.out) / "trace.json").write_text(json.dumps(results, indent=1))
     return 0 if all(r["status"] == "ok" for r in results.values()) else 1
+
+
+def spec_summary(run_dir: Path) -> dict:
+    """{} for a run without drafts; else which proposer the spec probes saw, and the drafts verified and accepted
+    (what the README's "which ran where" table reads)."""
+    from vllm_tour.trace.reader import load_run
+
+    steps = load_run(run_dir).steps
+    proposers = sorted({s.spec_proposal.proposer for s in steps if s.spec_proposal})
+    verified = [v for s in steps if s.spec_verify for v in s.spec_verify.requests]
+    if not proposers and not verified:
+        return {}
+    return {"spec": {"proposers": proposers, "drafted": sum(len(v.draft_token_ids) for v in verified),
+                     "accepted": sum(v.num_accepted for v in verified)}}
 
 
 def probe_errors(run_dir: Path) -> dict:
@@ -580,7 +606,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pin", default=cuda_pin)
     p.add_argument("--site", default=os.environ.get("SITE", "/tmp/vllm-cuda"))
     p.add_argument("--steps", type=lambda s: [x for x in s.split(",") if x], default=list(STEPS))
-    p.add_argument("--trace-scenarios", type=lambda s: [x for x in s.split(",") if x], default=list(TRACE_SCENARIOS))
+    p.add_argument("--trace-scenarios", type=lambda s: [x for x in s.split(",") if x], default=list(TRACE_SCENARIOS),
+                   help=f"scenario names, or a group: {', '.join(SCENARIO_GROUPS)}")
     p.add_argument("--compare-scenarios", type=lambda s: [x for x in s.split(",") if x], default=list(COMPARE_SCENARIOS))
     p.add_argument("--modules", type=lambda s: [x for x in s.split(",") if x], default=list(MODULES))
     p.add_argument("--race-sides", default=",".join(RACE_SIDES), help=f"known: {', '.join(RACE_SIDES)}")
@@ -621,6 +648,7 @@ def main(argv=None) -> int:
         if unknown:
             raise SystemExit(f"unknown step(s) {unknown}; known: {', '.join(STEPS + OPTIONAL_STEPS)}")
         a.step_limits = parse_limits(a.step_limits)
+        a.trace_scenarios = expand_groups(a.trace_scenarios)
         if "race" in a.steps:
             try:
                 parse_sides(a.race_sides)

@@ -10,6 +10,8 @@ file sits apart from the notes, which `annotations` loads from annotations/*.tom
     check = "hashless_before_fresh_before_cached"
     claim.en = "..."
     claim.zh = "..."
+    only_on = ["v0.32.0"]                        # optional: the releases whose recorded run proves it, when
+                                                 # fewer than the note is shown on (no environment of the others)
 
 Each scenario runs once on the installed upstream engine (cached by scenario
 content, shared with `compare` and the tests); every claim on it is then checked.
@@ -54,6 +56,9 @@ class Proof(BaseModel):
     scenario: str
     check: str
     claim: dict[str, str] | None = None  # None: another release's file keeping the default pin's claim
+    # The releases this proof holds a note to, when fewer than those the note is shown on: its scenario's run could
+    # be recorded only there (no environment of the others here). None: every release the note is shown on.
+    only_on: list[str] | None = None
 
     @field_validator("claim")
     @classmethod
@@ -101,6 +106,8 @@ def load_proofs(path: Path, claims: bool = True) -> dict[str, Proof]:
             raise TourError(f"{where}: no check '{proof.check}' in {proofs.__name__}")
         if claims and proof.claim is None:
             raise TourError(f"{where}: claim: Field required")
+        if proof.only_on is not None and path.parent == PROOFS_DIR and path.stem not in proof.only_on:
+            raise TourError(f"{where}: only_on {proof.only_on} leaves out {path.stem}, whose own file this is")
         out[note_id] = proof
     return out
 
@@ -119,7 +126,8 @@ def proofs_for_pin(pin: str) -> dict[str, Proof]:
     notes = {n.id: n for n in all_notes(load_all())}
     # Serve runs are recorded on the default pin only (the server probes are its own): no serve claim elsewhere.
     table = {i: p for i, p in base.items()
-             if pin not in notes[i].variant and pin not in notes[i].not_on and p.scenario != SERVE}
+             if pin not in notes[i].variant and pin not in notes[i].not_on and p.scenario != SERVE
+             and (p.only_on is None or pin in p.only_on)}
     for note_id, proof in own.items():
         if proof.claim is None:
             if note_id not in base:

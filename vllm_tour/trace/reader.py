@@ -64,6 +64,9 @@ class Step:
     spec_proposal: SpecProposalRecord | None = None  # and the drafts proposed after it, for the next step
 
 
+UNFINISHED = "the run did not finish (killed or still running): showing the steps it flushed"
+
+
 @dataclass
 class Run:
     path: Path
@@ -490,7 +493,7 @@ def load_run(path: str | Path, steps: tuple[int, int] | None = None, seconds: tu
         except ValidationError as e:
             raise TourError(f"{path / 'outputs.json'}: invalid ({e.errors()[0]['msg']})") from None
     elif meta.status == "running":
-        warnings.append("the run did not finish (killed or still running): showing the steps it flushed")
+        warnings.append(UNFINISHED)
     elif meta.status == "failed":
         warnings.append(f"the run failed: {meta.error}")
     elif meta.status == "interrupted":

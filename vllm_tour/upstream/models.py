@@ -29,6 +29,8 @@ from vllm_tour.errors import TourError
 from vllm_tour.paths import DATA_DIR, cache_dir
 
 TINY_MODELS = ("tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen3-tp")
+MTP_TARGETS = ("tiny-mimo-mtp",)  # a config only: run with load_format dummy (make_mtp_target)
+MTP_VERSION = 1  # bump when make_mtp_target changes: it names the cache directory
 DEFAULT_MODEL = "tiny-qwen3"
 # Bump when the generator changes: it names the cache directory, so an old
 # checkpoint is never mistaken for a new one.
@@ -92,7 +94,7 @@ CONFIGS = {
 }
 
 
-class _Stream:
+class SeededStream:
     """Deterministic uniform floats in [-1, 1) from PCG64's raw 64-bit output."""
 
     def __init__(self, seed: int):
@@ -106,7 +108,7 @@ class _Stream:
         return (u * np.float32(2.0) - np.float32(1.0)).reshape(shape)
 
 
-def _linear(stream: _Stream, out_f: int, in_f: int, gain: float) -> np.ndarray:
+def seeded_linear(stream: SeededStream, out_f: int, in_f: int, gain: float) -> np.ndarray:
     # Uniform(-a, a) has std a/sqrt(3); a = gain*sqrt(3/fan_in) gives std gain/sqrt(fan_in).
     a = np.float32(gain * np.sqrt(3.0 / in_f))
     return stream.uniform((out_f, in_f)) * a
@@ -115,7 +117,7 @@ def _linear(stream: _Stream, out_f: int, in_f: int, gain: float) -> np.ndarray:
 def _weights(cfg: dict) -> dict[str, np.ndarray]:
     """HF-layout tensors. Gains are chosen so greedy decoding wanders instead of
     repeating one token (random weights at the usual init scale collapse)."""
-    s = _Stream(SEED)
+    s = SeededStream(SEED)
     h, v, hd = cfg["hidden_size"], cfg["vocab_size"], cfg["head_dim"]
     nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     t: dict[str, np.ndarray] = {}
@@ -124,27 +126,27 @@ def _weights(cfg: dict) -> dict[str, np.ndarray]:
         p = f"model.layers.{i}."
         t[p + "input_layernorm.weight"] = np.ones(h, np.float32)
         t[p + "post_attention_layernorm.weight"] = np.ones(h, np.float32)
-        t[p + "self_attn.q_proj.weight"] = _linear(s, nh * hd, h, 2.0)
-        t[p + "self_attn.k_proj.weight"] = _linear(s, nkv * hd, h, 2.0)
-        t[p + "self_attn.v_proj.weight"] = _linear(s, nkv * hd, h, 1.0)
-        t[p + "self_attn.o_proj.weight"] = _linear(s, h, nh * hd, 1.0)
+        t[p + "self_attn.q_proj.weight"] = seeded_linear(s, nh * hd, h, 2.0)
+        t[p + "self_attn.k_proj.weight"] = seeded_linear(s, nkv * hd, h, 2.0)
+        t[p + "self_attn.v_proj.weight"] = seeded_linear(s, nkv * hd, h, 1.0)
+        t[p + "self_attn.o_proj.weight"] = seeded_linear(s, h, nh * hd, 1.0)
         t[p + "self_attn.q_norm.weight"] = np.ones(hd, np.float32)
         t[p + "self_attn.k_norm.weight"] = np.ones(hd, np.float32)
         if cfg["model_type"] == "qwen3_moe":
             e, mi = cfg["num_experts"], cfg["moe_intermediate_size"]
-            t[p + "mlp.gate.weight"] = _linear(s, e, h, 4.0)
+            t[p + "mlp.gate.weight"] = seeded_linear(s, e, h, 4.0)
             for j in range(e):
                 q = f"{p}mlp.experts.{j}."
-                t[q + "gate_proj.weight"] = _linear(s, mi, h, 1.0)
-                t[q + "up_proj.weight"] = _linear(s, mi, h, 1.0)
-                t[q + "down_proj.weight"] = _linear(s, h, mi, 1.0)
+                t[q + "gate_proj.weight"] = seeded_linear(s, mi, h, 1.0)
+                t[q + "up_proj.weight"] = seeded_linear(s, mi, h, 1.0)
+                t[q + "down_proj.weight"] = seeded_linear(s, h, mi, 1.0)
         else:
             i_sz = cfg["intermediate_size"]
-            t[p + "mlp.gate_proj.weight"] = _linear(s, i_sz, h, 1.0)
-            t[p + "mlp.up_proj.weight"] = _linear(s, i_sz, h, 1.0)
-            t[p + "mlp.down_proj.weight"] = _linear(s, h, i_sz, 1.0)
+            t[p + "mlp.gate_proj.weight"] = seeded_linear(s, i_sz, h, 1.0)
+            t[p + "mlp.up_proj.weight"] = seeded_linear(s, i_sz, h, 1.0)
+            t[p + "mlp.down_proj.weight"] = seeded_linear(s, h, i_sz, 1.0)
     t["model.norm.weight"] = np.ones(h, np.float32)
-    t["lm_head.weight"] = _linear(s, v, h, 8.0)
+    t["lm_head.weight"] = seeded_linear(s, v, h, 8.0)
     return t
 
 
@@ -326,6 +328,10 @@ def resolve_model(name: str, load_format: str = "auto") -> Path:
         raise TourError(f"unknown load format {load_format!r} (known: {', '.join(LOAD_FORMATS)})")
     if name in TINY_MODELS:
         return make_tiny_model(name)
+    if name in MTP_TARGETS:
+        if load_format != "dummy":
+            raise TourError(f"model '{name}' has no weights of its own: run it with load_format dummy")
+        return make_mtp_target(name)
     p = Path(name).expanduser()
     if p.exists():
         if not (p / "config.json").exists():
@@ -386,3 +392,26 @@ def model_facts(name: str, load_format: str, dtype: str) -> ModelFacts:
         digest = None
     return ModelFacts(name=name, path=path, weights=weights, weights_note=weights_note(name, weights),
                       kv_bytes_per_token=kv_bytes_per_token(path, dtype) if has_config else None, digest=digest)
+
+
+def make_mtp_target(name: str) -> Path:
+    """tiny-mimo-mtp's directory, built on first use: a target with an MTP layer, for speculative method mtp.
+
+    MTP drafts with layers that ship inside the target's own checkpoint, and no Qwen3 has them. This is
+    tiny-qwen3's shapes as a MiMo model (mimo.MiMoForCausalLM: Qwen2 layers, plus `num_nextn_predict_layers`
+    = 1 MTP layer, mimo_mtp.MiMoMTP). The directory holds the config and tiny-qwen3's tokenizer only: a
+    scenario runs it with `load_format = "dummy"` (vLLM's random weights in its shapes)."""
+    if name not in MTP_TARGETS:
+        raise TourError(f"unknown MTP target '{name}' (known: {', '.join(MTP_TARGETS)})")
+    dest = cache_dir() / "models" / f"{name}-g{GENERATOR_VERSION}-m{MTP_VERSION}"
+    if (dest / "config.json").exists():
+        return dest
+    src = make_tiny_model("tiny-qwen3")
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.pop("head_dim")  # Qwen2 layers: hidden_size / heads (64, as tiny-qwen3's)
+    cfg.update(model_type="qwen2", architectures=["MiMoForCausalLM"], num_nextn_predict_layers=1)
+    with built_in_place(dest, name) as tmp:
+        for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+            shutil.copyfile(src / f, tmp / f)
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    return dest

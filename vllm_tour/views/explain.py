@@ -49,6 +49,7 @@ from vllm_tour.upstream.pins import pin_profile
 from vllm_tour.views import free_queue
 from vllm_tour.views.explain_messages import KIND_WORDS, LANGS, MORE, msg
 from vllm_tour.views.explain_queues import _Timeline
+from vllm_tour.views.explain_spec import spec_lines
 from vllm_tour.views.served import (
     abort_of,
     engine_request,
@@ -64,7 +65,7 @@ class Line:
     (machine-readable, for scripts and tests), the steps it covers, the record fields it read, the notes whose
     rule it applies."""
 
-    topic: str  # arrival | wait | admit | chunk | preempt | resume | cache | finish | level
+    topic: str  # arrival | wait | admit | chunk | spec | preempt | resume | cache | finish | level
     key: str
     params: dict
     fields: list[str] = field(default_factory=list)
@@ -271,6 +272,7 @@ class _Explainer:
                 continue
             if n in preempted_at:
                 lines.append(self.preempt_line(rid, s, preempted_at[n]))
+                lines += [Line("spec", **d) for d in spec_lines(run, rid, s)]
                 last_preempt = n
                 continue
             for p in s.scheduler.preempted:
@@ -303,6 +305,7 @@ class _Explainer:
             chunk = self.chunk_line(rid, s, r)
             if chunk is not None:
                 lines.append(chunk)
+            lines += [Line("spec", **d) for d in spec_lines(run, rid, s)]
         lines += self.finish_lines(rid)
         if not rows:
             lines.append(Line("finish", "never_scheduled", {}, ["scheduler.scheduled"], []))

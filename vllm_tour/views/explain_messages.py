@@ -7,6 +7,39 @@ LANGS = ("en", "zh")
 
 
 MSG: dict[str, dict[str, str]] = {
+    # speculative decoding (views/explain_spec.py)
+    "spec_all_accepted": {
+        "en": "verified the {k} drafts proposed after step {prev} ({drafts}): all {a} accepted, then the target's bonus "
+              "token {bonus}: {total} tokens from one step",
+        "zh": "验证了第 {prev} 步之后提出的 {k} 个草稿 token（{drafts}）：全部 {a} 个被接受，再加上目标模型的奖励（bonus）"
+              "token {bonus}：一步得到 {total} 个 token",
+    },
+    "spec_rejected": {
+        "en": "verified the {k} drafts proposed after step {prev} ({drafts}): {a} accepted; {why}; kept {kept}, "
+              "the {rolled} rejected rolled back",
+        "zh": "验证了第 {prev} 步之后提出的 {k} 个草稿 token（{drafts}）：{a} 个被接受；{why}；保留 {kept}，"
+              "被拒绝的 {rolled} 个回滚",
+    },
+    "spec_why_greedy": {
+        "en": "draft {i} was rejected because the target's token at its position was {target}, not the draft {draft} "
+              "(greedy: a draft is kept only while it equals the target's argmax)",
+        "zh": "第 {i} 个草稿 token 被拒绝，因为目标模型在该位置的 token 是 {target}，而不是草稿 token {draft}"
+              "（贪心：草稿 token 只有等于目标模型的 argmax 时才被保留）",
+    },
+    "spec_why_sampled": {
+        "en": "draft {i} ({draft}) failed the accept test (kept only when the draw u <= the target's probability of it; "
+              "the records hold neither), and {target} was drawn there from the target without it",
+        "zh": "第 {i} 个草稿 token（{draft}）没有通过接受检验（只有抽样值 u <= 目标模型给它的概率时才保留；记录中两者都没有），"
+              "于是在该位置从去掉它的目标分布中抽出了 {target}",
+    },
+    "spec_cut": {
+        "en": "of those {total} tokens only {kept} were appended: the request stopped there ({reason}), {dropped} dropped",
+        "zh": "这 {total} 个 token 中只追加了 {kept} 个：请求在那里停止（{reason}），{dropped} 被丢弃",
+    },
+    "spec_dropped": {
+        "en": "its {k} drafts proposed after step {prev} ({drafts}) were dropped with the preemption, never verified",
+        "zh": "它在第 {prev} 步之后提出的 {k} 个草稿 token（{drafts}）随抢占被丢弃，从未被验证",
+    },
     "arrival": {
         "en": "arrived before step {step} (arrival_step {arrival} in meta.requests): {tokens} prompt tokens",
         "zh": "在第 {step} 步之前到达（meta.requests 中 arrival_step = {arrival}）：提示词 {tokens} 个 token",

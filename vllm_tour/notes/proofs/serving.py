@@ -131,18 +131,49 @@ def stop_string_is_an_engine_abort(run: Run) -> str:
     return _shown(found, "a request ended by a stop string")
 
 
-def aborted_output_dropped(run: Run) -> str:
-    """After the client hangs up the engine samples on until the abort reaches it; the front end drops those
-    tokens: what it kept is a prefix of what the engine sampled, shorter by at least one token."""
-    engine = _engine_tokens(run)
+def stop_string_ends_a_running_request(run: Run) -> str:
+    """A stop string ends the request in the front end while the EngineCore still runs it: the engine's abort
+    record shows it RUNNING (a request the core had finished itself would not be aborted), and the tokens the
+    client got are the first of those the engine sampled for it (the stop ends the text, not the engine's run)."""
+    aborts, engine = _aborts(run), _engine_tokens(run)
     found = []
-    for r in _client_aborted(run):
+    for r in run.server_requests:
+        if r.finish_reason != "stop" or not isinstance(r.stop_reason, str):
+            continue
+        _need(r.req_id in aborts, None, f"{r.api_id}: the client saw stop on {r.stop_reason!r}, "
+              f"but the engine recorded no abort of {r.req_id}")
+        step, a = aborts[r.req_id]
+        _need(a.status_before == "RUNNING", step,
+              f"{r.api_id}: stopped on {r.stop_reason!r} in the front end, aborted at step {step} while {a.status_before}")
         if r.req_id not in engine:
+            continue  # no runner records (a serve run below --level full)
+        kept, sampled = list(r.token_ids), engine[r.req_id]
+        _need(kept and sampled[:len(kept)] == kept, None,
+              f"{r.api_id}: the client got {kept}, not a prefix of the engine's {sampled}")
+        found.append(f"{r.api_id}: stop on {r.stop_reason!r} after {_tokens(len(kept))} (the engine's first "
+                     f"{len(kept)} of {len(sampled)}); the engine still had {r.req_id} RUNNING and aborted it at step {step}")
+    return _shown(found, "a request ended by a stop string with the runner's sampled tokens recorded "
+                         "(a serve run at --level full)")
+
+
+def aborted_output_dropped(run: Run) -> str:
+    """After the client hangs up, or the front end finds a stop string, the engine samples on until the abort
+    reaches it; the front end drops those tokens: what it kept is a prefix of what the engine sampled, shorter by
+    at least one token for some client-aborted request. A stop-string request's kept tokens are a prefix too."""
+    engine = _engine_tokens(run)
+    found, stopped = [], []
+    for r in run.server_requests:
+        by_stop_string = r.finish_reason == "stop" and isinstance(r.stop_reason, str)
+        if (r.finish_reason != "abort" and not by_stop_string) or r.req_id not in engine:
             continue
         sampled, kept = engine[r.req_id], list(r.token_ids)
         _need(sampled[:len(kept)] == kept, None,
               f"{r.api_id}: the front end kept {kept}, not a prefix of the engine's {sampled}")
-        if len(sampled) > len(kept):
+        if by_stop_string:
+            stopped.append(f"{r.req_id} (stop string {r.stop_reason!r}): the engine sampled "
+                           f"{_tokens(len(sampled))}, the front end kept the first {len(kept)}")
+        elif len(sampled) > len(kept):
             found.append(f"{r.req_id}: the engine sampled {_tokens(len(sampled))}, the front end kept the first "
                          f"{len(kept)} and dropped {len(sampled) - len(kept)}")
-    return _shown(found, "a client-aborted request the engine sampled past (runner records: --level full)")
+    aborted = _shown(found, "a client-aborted request the engine sampled past (runner records: --level full)")
+    return aborted + "; " + _shown(stopped, "a stop-string request with the runner's sampled tokens recorded")
