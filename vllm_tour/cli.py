@@ -727,7 +727,8 @@ def repro(
     Expectations ([expect], every pin; [expect."v0.21.0"], that pin only): engine_fails_with = "substring",
     preempted / resumed / never_scheduled = ["r2"], prefix_hit_tokens = {r1 = 64}, tokens_equal = ["r0", "r1"],
     stalled = {r1 = 5}, max_scheduled_tokens = {r0 = 32}, blocked_behind = {small = "big"},
-    kv_events = {BlockStored = 4}, kv_removed_while_cached = true (KV events: scheduler mode).
+    kv_events = {BlockStored = 4}, kv_removed_while_cached = true (KV events: scheduler mode), same_tokens_alone =
+    {r0 = true}, drafts_not_in_sequence = ["r0"] (speculative decoding: drafts no n-gram could propose).
     `verdicts = {"v0.32.0" = "NOT REPRODUCED"}` declares a fixed pin; mode = "scheduler" runs upstream's
     Scheduler alone with fabricated model outputs; [engine.extra] passes raw EngineArgs. Exit 0 reproduced, 1 not
     reproduced, 2 could not run; with --all: 0 when every verdict is as declared, else 1; with --matrix: 0 when every

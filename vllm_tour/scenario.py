@@ -120,6 +120,9 @@ class ExpectSpec(BaseModel):
     # request -> true: it generates the same tokens when run alone (batch invariance), false: other tokens;
     # repro runs the engine once more per request, with that request only
     same_tokens_alone: dict[str, bool] = {}
+    # speculative decoding: these requests get drafts verified that hold a token their own sequence (prompt and
+    # output) never holds: not an n-gram proposal, which only copies tokens of the sequence
+    drafts_not_in_sequence: list[str] = []
 
     def keys(self) -> list[str]:
         return [k for k in type(self).model_fields if getattr(self, k) not in (None, [], {})]
@@ -127,7 +130,7 @@ class ExpectSpec(BaseModel):
     def request_ids(self) -> set[str]:
         return {*self.preempted, *self.resumed, *self.prefix_hit_tokens, *self.tokens_equal, *self.never_scheduled,
                 *self.stalled, *self.max_scheduled_tokens, *self.blocked_behind, *self.blocked_behind.values(),
-                *self.same_tokens_alone}
+                *self.same_tokens_alone, *self.drafts_not_in_sequence}
 
     def merged(self, other: "ExpectSpec | None") -> "ExpectSpec":
         """These expectations with `other`'s keys (a pin's own section) on top."""
@@ -224,6 +227,8 @@ class Scenario(BaseModel):
                 raise ValueError("expect.tokens_equal needs at least two request ids")
             if ex.same_tokens_alone and self.mode == "scheduler":
                 raise ValueError('expect.same_tokens_alone compares generated tokens: it needs mode = "engine"')
+            if ex.drafts_not_in_sequence and self.mode == "scheduler":
+                raise ValueError('expect.drafts_not_in_sequence reads the drafts a model runner made: it needs mode = "engine"')
             for rid, earlier in ex.blocked_behind.items():
                 if rid == earlier:
                     raise ValueError(f"expect.blocked_behind: {rid} cannot wait behind itself")

@@ -62,7 +62,7 @@ def verdict_table(rows: list, all_pins: list[str], here: str, width: int) -> Tab
 
 
 def run_all(console: Console, paths: list[Path] | None = None) -> int:
-    from vllm_tour.repro.reproduce import GPU_PIN_NOTE, installed_pin, run_repro
+    from vllm_tour.repro.reproduce import installed_pin, run_repro, where_it_runs
 
     paths = library() if paths is None else paths
     if not paths:
@@ -94,8 +94,11 @@ def run_all(console: Console, paths: list[Path] | None = None) -> int:
     all_pins = sorted({p for _, cells, _ in rows for p in cells}, reverse=True)
     table = verdict_table(rows, all_pins, here, console.width)
     console.print(table)
-    others = [p for p in all_pins if p != here]
-    if others:
-        console.print(f"[dim]{', '.join(others)}: {GPU_PIN_NOTE}[/]")
+    by_place: dict[str, list[str]] = {}
+    for p in all_pins:
+        if p != here:
+            by_place.setdefault(where_it_runs(p), []).append(p)
+    for place, pins in by_place.items():
+        console.print(f"[dim]{', '.join(pins)}: {escape(place)}[/]")
     console.print("[bold green]every verdict as declared[/]" if ok else "[bold red]some verdicts differ from their declaration[/]")
     return 0 if ok else 1

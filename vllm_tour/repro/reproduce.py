@@ -59,6 +59,15 @@ class ReproResult:
 GPU_PIN_NOTE = "the GPU machine's pin, run there"
 
 
+def where_it_runs(pin: str) -> str:
+    """Where a pin this command did not run is run: the GPU machine's (a CUDA pin), or its own environment here."""
+    from vllm_tour.upstream.pins import available_pins, load_pin
+
+    if pin in available_pins() and load_pin(pin).platform == "cpu":
+        return f"another CPU release: `repro FILE --pin {pin}` runs it, `repro --matrix` runs every release here"
+    return GPU_PIN_NOTE
+
+
 def not_run_here(sc: Scenario, pin: str) -> list[str]:
     """The pins this repro has expectations for that do not run on this machine (installed: `pin`)."""
     return [p for p in sc.pins() if p != pin]
@@ -303,12 +312,32 @@ def check_expectations(sc: Scenario, run: Run, failure: str | None, log_errors: 
             pos = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
             ev = f"{rid} differs at output position {pos}: {a[pos:pos + 1]} in the batch vs {b[pos:pos + 1]} alone"
         checks.append(Check(key, (a == b) == want_same, [ev]))
+    for rid in ex.drafts_not_in_sequence:
+        checks.append(_drafts_not_in_sequence_check(rid, run, failure))
     checks.extend(scheduling_checks(ex, run, failure))
     if ex.expert_maps:
         checks.extend(_expert_map_checks(ex.expert_maps, run, failure))
     if ex.moe_kernel_ids_out_of_range is not None:
         checks.append(_kernel_ids_check(ex.moe_kernel_ids_out_of_range, run, failure))
     return checks
+
+
+def _drafts_not_in_sequence_check(rid: str, run: Run, failure: str | None) -> Check:
+    """Drafts verified for `rid` holding a token that its prompt and its whole output never hold: an n-gram
+    proposer copies tokens of the sequence, so such a draft came from somewhere else (a runner's dummy drafts)."""
+    key = _fmt("drafts_not_in_sequence", [rid])
+    meta = next(r for r in run.meta.requests if r.req_id == rid)
+    out = next((o.token_ids for o in run.outputs.requests if o.req_id == rid), []) if run.outputs else []
+    seq = set(meta.prompt_token_ids or []) | set(out)
+    verified = [(s.index, v) for s in run.steps if s.spec_verify for v in s.spec_verify.requests if v.req_id == rid]
+    hits = [f"step {i}: {rid} verified drafts {v.draft_token_ids} at position {v.num_computed_tokens + 1}; "
+            f"{sorted(set(v.draft_token_ids) - seq)} never in its {len(meta.prompt_token_ids or [])} prompt and "
+            f"{len(out)} output tokens" for i, v in verified if set(v.draft_token_ids) - seq]
+    if hits:
+        return Check(key, True, hits[:3] + ([f"... and {len(hits) - 3} more steps"] if len(hits) > 3 else []))
+    ev = [f"{rid}: {len(verified)} steps verified drafts, each made of tokens of its own sequence" if verified
+          else f"{rid}: no drafts verified in {len(run.steps)} traced steps"]
+    return Check(key, False, ev + _failed_note(failure))
 
 
 def _moe_records(run: Run) -> list:
@@ -385,7 +414,7 @@ def render(res: ReproResult, console: Console, path: Path | str) -> None:
         for line in c.evidence:
             console.print(f"             {escape(line)}", soft_wrap=True)
     for other in not_run_here(sc, res.pin):
-        console.print(f"  [dim]{other}: not run here ({GPU_PIN_NOTE}); declared {sc.declared_verdict(other)}[/]")
+        console.print(f"  [dim]{other}: not run here ({escape(where_it_runs(other))}); declared {sc.declared_verdict(other)}[/]")
     met = sum(c.ok for c in res.checks)
     declared = sc.declared_verdict(res.pin)
     note = "as declared" if res.as_declared else f"[bold red]declared {declared}[/]"
