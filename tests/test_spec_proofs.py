@@ -38,8 +38,8 @@ def ngram_run(upstream_run):
 
 
 def test_the_spec_notes_are_proven_on_each_recorded_release_and_held_to_no_other():
-    """v0.32.0 and v0.31.0 ran both spec scenarios (v0.31.0 in its environment); v0.21.0 ran spec_ngram on the
-    H200 only: a claim is held to a release exactly where its scenario's run is kept."""
+    """v0.32.0 and v0.31.0 ran both spec scenarios (v0.31.0 in its environment), v0.21.0 on the H200: a claim is
+    held to a release exactly where its scenario's run is kept."""
     table = verify.proofs_for_pin(PIN)
     assert SPEC_NOTES <= table.keys()
     for note in SPEC_NOTES:
@@ -51,7 +51,6 @@ def test_the_spec_notes_are_proven_on_each_recorded_release_and_held_to_no_other
                 v = verify.check_claims(load_run(verify.recorded_run(pin, p.scenario)), p.scenario, [note], table)[0]
                 assert v.holds and len(v.requires) >= 2, (note, pin, v.evidence, v.requires)
             assert (note in verify.proofs_for_pin(pin)) == kept, (note, pin)
-    assert not verify.recorded_run("v0.21.0", "spec_preempt").exists()  # the GPU runner traced spec_ngram only
 
 
 def test_the_checks_require_the_cases_the_brief_names():
