@@ -18,9 +18,7 @@ same window (a fresh Python: imports included) is printed too.
 from __future__ import annotations
 
 import argparse
-import datetime
 import io
-import json
 import os
 import statistics
 import subprocess
@@ -30,7 +28,7 @@ import time
 from pathlib import Path
 
 from vllm_tour.bench import sched_load
-from vllm_tour.bench.overhead import hardware
+from vllm_tour.bench.overhead import hardware, write_results
 from vllm_tour.bench.sched_load import PROMPT_TOKENS
 
 OUTPUT_TOKENS = (16, 48)
@@ -150,15 +148,12 @@ def main() -> None:
           f"loading the whole run: {whole_s:.1f} s; ratio {whole_s / window_s:.0f}x; window rows equal the whole run's: {same}")
     print(f"`vllm-tour show RUN --steps {window[0]}-{window[1]}` from the shell (a fresh Python, imports included): {cli_s:.1f} s")
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": "python -m vllm_tour.bench.long_run " + " ".join(sys.argv[1:]),
+        write_results(args.json, "vllm_tour.bench.long_run", {
             "hardware": hw, "steps": args.steps, "segment_steps": args.segment_steps, "record_s": record_s,
             "rss_bytes_by_step": rss, "rss_growth_bytes": rss[last] - rss[first], "disk_bytes": disk, "segments": len(files),
             "window": window, "window_show_s": window_s, "whole_load_s": whole_s, "ratio": whole_s / window_s,
             "window_rows_equal": same, "cli_window_show_s": cli_s,
-        }, indent=1) + "\n")
+        })
 
 
 if __name__ == "__main__":

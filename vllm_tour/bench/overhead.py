@@ -166,6 +166,14 @@ def gpu_engine_args(EngineArgs, args):
     return engine_args, shapes, list(zip(prompts, max_tokens)), TEMPERATURE
 
 
+def write_results(path, module: str, figures: dict) -> None:
+    """A benchmark's figures as JSON, headed by when and how it ran (`python -m MODULE ARGS`)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    head = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": f"python -m {module} " + " ".join(sys.argv[1:])}
+    path.write_text(json.dumps({**head, **figures}, indent=1) + "\n")
+
+
 def hardware() -> dict:
     hw = {"cpu": cpu_name(), "amx": "amx_bf16" in cpu_flags(), "cores": os.cpu_count(), "system": f"{platform.system()} {platform.machine()}"}
     try:
@@ -307,9 +315,7 @@ def main() -> None:
         top = sorted(hook_s[lv].items(), key=lambda kv: -kv[1])[:3]
         print("          costliest: " + ", ".join(f"{k} {v / traced_steps[lv] * 1e6:.0f} us" for k, v in top))
     if args.json:
-        result = {
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": "python -m vllm_tour.bench.overhead " + " ".join(sys.argv[1:]),
+        write_results(args.json, "vllm_tour.bench.overhead", {
             "hardware": {**hw, "load_average": round(load, 2)},
             "vllm_version": vllm.__version__, "pin": tag, "engine": shapes, "workload": work, "steps_per_round": steps,
             "rounds_per_side": rounds, "order": order, "goal": goal,
@@ -323,9 +329,7 @@ def main() -> None:
             "wrapper_calls_per_step": {lv: {k: round(v / traced_steps[lv], 2) for k, v in wrapper_calls(calls[lv]).items()}
                                        for lv in LEVELS},
             "wrapper_ns_per_call": round(per_call * 1e9, 1),
-        }
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1) + "\n")
+        })
     # last, alone: one line to compare run to run
     print(f"ratio steps={ratio['steps']:.3f} blocks={ratio['blocks']:.3f} full={ratio['full']:.3f}")
 

@@ -15,15 +15,12 @@ run's is what the probes keep. Goal: traced growth < 20 MB.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import sys
 import tempfile
 from pathlib import Path
 
 from vllm_tour.bench import sched_load
-from vllm_tour.bench.overhead import hardware
+from vllm_tour.bench.overhead import hardware, write_results
 from vllm_tour.bench.sched_load import PROMPT_TOKENS
 
 OUTPUT_TOKENS = 32
@@ -89,15 +86,12 @@ def main() -> None:
               + (f" ({r['trace_bytes'] // mb} MB of records written)" if side == "traced" else ""))
     print(f"probes:   growth traced - untraced {probes_growth / mb:+.1f} MB; traced growth {results['traced']['growth'] / mb:+.1f} MB   goal < 20 MB")
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": "python -m vllm_tour.bench.writer_memory " + " ".join(sys.argv[1:]),
+        write_results(args.json, "vllm_tour.bench.writer_memory", {
             "hardware": hw, "vllm_version": vllm.__version__, "pin": tag,
             "workload": {"steps": args.steps, "warmup_steps": args.warmup, "prompt_tokens": PROMPT_TOKENS,
                          "output_tokens": OUTPUT_TOKENS, "requests_arriving_per_step": 1},
             "results_bytes": results, "probes_growth_bytes": probes_growth, "goal_bytes": 20 * mb,
-        }, indent=1) + "\n")
+        })
 
 
 if __name__ == "__main__":
