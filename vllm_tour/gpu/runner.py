@@ -295,14 +295,12 @@ def spec_summary(run_dir: Path) -> dict:
     """{} for a run without drafts; else which proposer the spec probes saw, and the drafts verified and accepted
     (what the README's "which ran where" table reads)."""
     from vllm_tour.trace.reader import load_run
+    from vllm_tour.views.spec_decode import counts
 
-    steps = load_run(run_dir).steps
-    proposers = sorted({s.spec_proposal.proposer for s in steps if s.spec_proposal})
-    verified = [v for s in steps if s.spec_verify for v in s.spec_verify.requests]
-    if not proposers and not verified:
+    c = counts(load_run(run_dir))
+    if not c["proposers"] and not c["verifications"]:
         return {}
-    return {"spec": {"proposers": proposers, "drafted": sum(len(v.draft_token_ids) for v in verified),
-                     "accepted": sum(v.num_accepted for v in verified)}}
+    return {"spec": {k: c[k] for k in ("proposers", "drafted", "accepted")}}
 
 
 def probe_errors(run_dir: Path) -> dict:

@@ -22,13 +22,20 @@ def events(step: Step) -> Text:
     return t
 
 
-def summary(run: Run) -> Text:
+def counts(run: Run) -> dict:
+    """The proposers the probes saw, and the verifications, draft tokens verified and drafts accepted."""
     verified = [v for s in run.steps if s.spec_verify for v in s.spec_verify.requests]
-    drafted = sum(len(v.draft_token_ids) for v in verified)
-    accepted = sum(v.num_accepted for v in verified)
-    proposer = next((s.spec_proposal.proposer for s in run.steps if s.spec_proposal), "?")
+    return {"proposers": sorted({s.spec_proposal.proposer for s in run.steps if s.spec_proposal}),
+            "verifications": len(verified), "drafted": sum(len(v.draft_token_ids) for v in verified),
+            "accepted": sum(v.num_accepted for v in verified)}
+
+
+def summary(run: Run) -> Text:
+    c = counts(run)
+    drafted, accepted = c["drafted"], c["accepted"]
+    proposer = ", ".join(c["proposers"]) or "?"
     rate = f" ({accepted / drafted:.0%})" if drafted else ""
-    return Text(f"speculative decoding ({proposer}): {len(verified)} verifications, {drafted} draft tokens, "
+    return Text(f"speculative decoding ({proposer}): {c['verifications']} verifications, {drafted} draft tokens, "
                 f"{accepted} accepted{rate}; each verification also adds one token of the target's own", style="bold")
 
 
