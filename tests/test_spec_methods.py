@@ -61,6 +61,8 @@ def test_draft_heads_have_upstreams_names_and_shapes():
     assert "layers.0.input_layernorm.weight" not in w  # EAGLE-1's first layer has no input norm
     cfg, w = head_config_and_weights("tiny-qwen3-eagle3")
     n_aux = len(cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
+    # 0.21.0 reads the ids at the top level only: without them there it fed 2 hidden states to this 3-state head
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
     assert w["fc.weight"].shape == (256, n_aux * 256) and w["midlayer.self_attn.q_proj.weight"].shape == (256, 512)
     cfg, w = head_config_and_weights("tiny-qwen3-medusa")
     assert sorted(k for k in w if k.startswith("lm_heads.")) == [f"lm_heads.{i}.weight" for i in range(cfg["num_heads"])]
