@@ -55,6 +55,12 @@ def ngram_run(upstream_run):
     return load_run(upstream_run("spec_ngram").run_dir)
 
 
+def _rejected_draft_returned(steps) -> list[int]:
+    """Steps where a sampled verification kept, in a rejected draft's place, that same draft."""
+    return [s.index for s in steps if s.spec_verify for v in s.spec_verify.requests
+            if v.num_accepted < len(v.draft_token_ids) and v.sampled_token_ids[v.num_accepted] == v.draft_token_ids[v.num_accepted]]
+
+
 def _verifications(run):
     return [(s, v) for s in run.steps if s.spec_verify for v in s.spec_verify.requests]
 
@@ -128,8 +134,17 @@ def test_reimpl_matches_upstream(compare_upstream, upstream_run, scenario):
     """Clean with drafts (greedy with repeats, under preemption, sampled), and without speculation (cmp_preempt:
     the scheduler subclass is the plain one when nothing is drafted)."""
     r = compare_upstream("reimpl.spec_decode", scenario)
-    assert r.exit_code == 0, [str(d) for d in r.ordered()[:3]]
     steps = load_run(upstream_run(scenario).run_dir).steps
+    returned = _rejected_draft_returned(steps)
+    if returned:
+        # Upstream now and then gives a rejected draft back as its own replacement (README, "found on the way";
+        # seen in spec_sampled on a clean-clone run): no rejection sampler that takes the draft out can do that,
+        # so compare must name that step and the sampled tokens, and nothing before it.
+        first = r.ordered()[0]
+        assert r.exit_code == 1 and first.step == returned[0] and first.field == "runner.sampled_token_ids[hot]", \
+            [str(d) for d in r.ordered()[:3]]
+        return
+    assert r.exit_code == 0, [str(d) for d in r.ordered()[:3]]
     assert any(s.spec_verify for s in steps) == scenario.startswith("spec_")  # drafts verified: their records judged
     if "preempt" in scenario:
         assert any(s.scheduler.preempted for s in steps)
